@@ -1,0 +1,67 @@
+# eldr: every stage is a Make target whose output is an artifact directory with a manifest.json;
+# a target is redone only when an input's manifest (or a parameter file) is newer.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+ELDR := $(BIN)/eldr
+STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
+
+ART ?= artifacts
+DECODERS ?= 4
+PAIRS ?= 20000
+SEED ?= 0
+TRACE ?= $(ART)/trace
+
+.PHONY: venv test test-fast demo fit bench-fit lock clean help
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make demo      set up .venv and run the whole pipeline on the embedded default"
+	@echo "make test      set up .venv and run the test suite"
+	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
+	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
+
+# -- environment ---------------------------------------------------------------------------
+venv: $(STAMP)
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@# torchvision/torchaudio/torchcodec do not import beside torch 2.13.0+cpu (see BRIEF.md)
+	-@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	@rm -f $(VENV)/.installed-*; touch $@
+
+lock:  ## re-pin requirements.lock from the current .venv
+	$(BIN)/pip freeze --exclude-editable | sed -e 's/^torch==\(.*\)+cpu/torch==\1/' | \
+	  grep -v '^eldr' > requirements.lock
+
+# -- tests -----------------------------------------------------------------------------------
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+
+# -- the offline fit, chained through manifests ----------------------------------------------
+fit: $(ART)/fit/routing/manifest.json
+
+$(ART)/fit/idf/manifest.json: $(TRACE)/manifest.json | venv
+	$(ELDR) fit-idf --trace $(TRACE) --out $(ART)/fit/idf
+
+$(ART)/fit/layers/manifest.json: $(TRACE)/manifest.json $(ART)/fit/idf/manifest.json | venv
+	$(ELDR) select-layers --trace $(TRACE) --idf $(ART)/fit/idf --out $(ART)/fit/layers --pairs $(PAIRS) --seed $(SEED)
+
+$(ART)/fit/routing/manifest.json: $(TRACE)/manifest.json $(ART)/fit/layers/manifest.json | venv
+	$(ELDR) cluster --trace $(TRACE) --layers $(ART)/fit/layers --decoders $(DECODERS) --out $(ART)/fit/routing --seed $(SEED)
+
+# -- benchmarks -----------------------------------------------------------------------------
+bench-fit: venv
+	$(BIN)/python benchmarks/bench_fit.py --out bench-results/fit.json
+
+# -- demo -----------------------------------------------------------------------------------
+demo: venv
+	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo
+
+clean:
+	rm -rf $(ART)/* bench-results .pytest_cache

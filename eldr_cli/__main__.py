@@ -1,0 +1,3 @@
+from eldr_cli.main import main
+
+main()

@@ -1,0 +1,356 @@
+"""Versioned artifacts: a directory of Zarr arrays, Parquet tables and figures, plus manifest.json.
+
+Every stage writes through :class:`ArtifactWriter`, which builds the artifact in a temporary
+sibling directory and renames it into place only when the stage finished, so a failed or
+interrupted stage never leaves a half artifact. The manifest records kind, schema version,
+tool version, created time, parameters, the content hashes of the inputs and of the
+artifact's own files, and the stage's headline metrics.
+
+Layout of an artifact directory::
+
+    manifest.json
+    data.zarr/            Zarr v3 group, one array per name
+    <table>.parquet       Polars/Parquet tables
+    <figure>.png          figures (hashed, but not part of ``content_hash``)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from eldr_cli import __version__
+from eldr_cli.errors import EldrError
+
+MANIFEST = "manifest.json"
+ARRAYS = "data.zarr"
+
+# Newest schema version of each artifact kind this tool reads and writes.
+SCHEMA_VERSIONS: dict[str, int] = {
+    "trace": 1,
+    "idf": 1,
+    "layers": 1,
+    "routing": 1,
+    "fit": 1,
+    "placement": 1,
+    "cost-model": 1,
+    "bench": 1,
+}
+
+MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file below ``root`` except the manifest, keyed by relative posix path."""
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            out[p.relative_to(root).as_posix()] = sha256_file(p)
+    return out
+
+
+def _content_hash(files: dict[str, str]) -> str:
+    """One hash over the data files (figures excluded: they are views, not content)."""
+    h = hashlib.sha256()
+    for name, digest in sorted(files.items()):
+        if name.endswith(".png"):
+            continue
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(digest.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def input_hash(path: str | os.PathLike) -> str:
+    """Content hash of an input: an artifact's ``content_hash`` or a plain file's sha256."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return read_manifest(p)["content_hash"]
+    if p.is_file():
+        return sha256_file(p)
+    if p.is_dir():
+        return _content_hash(_hash_tree(p))
+    raise EldrError(f"input {p} does not exist")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+class ArtifactWriter:
+    """Builds one artifact atomically.
+
+    >>> with ArtifactWriter("artifacts/idf", kind="idf", params={...}, inputs={"trace": t}) as w:
+    ...     w.write_array("idf", idf)
+    ...     w.metrics["n_requests"] = 1000
+    """
+
+    def __init__(self, out: str | os.PathLike, *, kind: str, params: dict | None = None,
+                 inputs: dict[str, str | os.PathLike] | None = None, overwrite: bool = True):
+        if kind not in SCHEMA_VERSIONS:
+            raise ValueError(f"unknown artifact kind {kind!r}")
+        self.out = Path(out)
+        self.kind = kind
+        self.params = dict(params or {})
+        self.inputs = {k: str(v) for k, v in (inputs or {}).items()}
+        self.metrics: dict[str, Any] = {}
+        self.extra: dict[str, Any] = {}
+        self.overwrite = overwrite
+        self._t0 = time.perf_counter()
+        self._group = None
+        self.tmp: Path | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "ArtifactWriter":
+        if self.out.exists() and not self.overwrite:
+            raise EldrError(f"{self.out} exists; pass --force or choose another --out")
+        if self.out.exists() and not (self.out / MANIFEST).is_file() and any(self.out.iterdir()):
+            raise EldrError(f"{self.out} exists and is not an eldr artifact; refusing to replace it",
+                            hint="choose an empty or new --out directory")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self._input_hashes = {k: input_hash(v) for k, v in self.inputs.items()}
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self.tmp is not None
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        try:
+            self._finish()
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+    def _finish(self) -> None:
+        assert self.tmp is not None
+        files = _hash_tree(self.tmp)
+        manifest = {
+            "kind": self.kind,
+            "schema_version": SCHEMA_VERSIONS[self.kind],
+            "tool": "eldr",
+            "tool_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "params": _jsonable(self.params),
+            "inputs": {k: {"path": v, "content_hash": self._input_hashes[k]} for k, v in self.inputs.items()},
+            "files": files,
+            "content_hash": _content_hash(files),
+            "metrics": _jsonable({**self.metrics, "wall_time_s": round(time.perf_counter() - self._t0, 4)}),
+            **_jsonable(self.extra),
+        }
+        validate_manifest(manifest)
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- content -------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        assert self.tmp is not None, "use ArtifactWriter as a context manager"
+        return self.tmp
+
+    def _zgroup(self):
+        if self._group is None:
+            import zarr
+
+            self._group = zarr.open_group(str(self.path / ARRAYS), mode="a", zarr_format=3)
+        return self._group
+
+    def write_array(self, name: str, data: np.ndarray, chunks: tuple[int, ...] | None = None) -> None:
+        data = np.ascontiguousarray(data)
+        g = self._zgroup()
+        kw = {}
+        if chunks is not None:
+            kw["chunks"] = chunks
+        arr = g.create_array(name, shape=data.shape, dtype=data.dtype, overwrite=True, **kw)
+        if data.size:
+            arr[...] = data
+
+    def create_appendable(self, name: str, trailing_shape: tuple[int, ...], dtype, chunk_rows: int = 256):
+        """An array of shape [0, *trailing_shape] to grow with :meth:`append_array`."""
+        g = self._zgroup()
+        return g.create_array(name, shape=(0, *trailing_shape), dtype=dtype,
+                              chunks=(chunk_rows, *trailing_shape), overwrite=True)
+
+    def append_array(self, name: str, data: np.ndarray) -> None:
+        arr = self._zgroup()[name]
+        arr.append(np.ascontiguousarray(data, dtype=arr.dtype), axis=0)
+
+    def write_table(self, name: str, df) -> None:
+        df.write_parquet(self.path / f"{name}.parquet", statistics=False)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        (self.path / name).write_text(json.dumps(_jsonable(obj), indent=2, sort_keys=True) + "\n")
+
+    def figure_path(self, name: str) -> Path:
+        return self.path / name
+
+
+# -- reading -------------------------------------------------------------------------------
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    mf = p / MANIFEST
+    if not p.exists():
+        raise EldrError(f"{p} does not exist", hint="run the stage that writes it first (see `eldr --help`)")
+    if not mf.is_file():
+        raise EldrError(f"{p} is not an eldr artifact (no {MANIFEST})")
+    try:
+        m = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EldrError(f"{mf} is not valid JSON: {e}") from None
+    if not isinstance(m, dict) or m.get("tool") != "eldr" or "kind" not in m:
+        raise EldrError(f"{mf} is not an eldr manifest (expected tool=eldr and a kind)")
+    return m
+
+
+_schema_cache: dict[str, dict] = {}
+
+
+def _load_schema(name: str) -> dict:
+    if name not in _schema_cache:
+        f = MANIFESTS_DIR / name
+        if not f.is_file():
+            raise EldrError(f"JSON Schema {f} is missing from the installation")
+        _schema_cache[name] = json.loads(f.read_text())
+    return _schema_cache[name]
+
+
+def schema_file(kind: str, version: int | None = None) -> str:
+    return f"{kind}.v{version or SCHEMA_VERSIONS[kind]}.schema.json"
+
+
+def validate_manifest(m: dict) -> None:
+    """Check a manifest against the JSON Schema of its kind and version (manifests/)."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    kind = m.get("kind")
+    if kind not in SCHEMA_VERSIONS:
+        raise EldrError(f"unknown artifact kind {kind!r}; this eldr knows {sorted(SCHEMA_VERSIONS)}")
+    version = m.get("schema_version")
+    if not isinstance(version, int):
+        raise EldrError(f"manifest has no integer schema_version (kind {kind})")
+    if version > SCHEMA_VERSIONS[kind]:
+        raise EldrError(
+            f"{kind} artifact has schema version {version}, newer than this eldr supports "
+            f"({SCHEMA_VERSIONS[kind]})", hint="upgrade eldr or rebuild the artifact with this version")
+    base = _load_schema("manifest.schema.json")
+    registry = Registry().with_resource("manifest.schema.json", Resource.from_contents(base))
+    schema = _load_schema(schema_file(kind, version))
+    v = jsonschema.Draft202012Validator(schema, registry=registry)
+    errors = sorted(v.iter_errors(m), key=lambda e: list(e.path))
+    if errors:
+        e = errors[0]
+        where = "/".join(str(x) for x in e.path) or "(top level)"
+        raise EldrError(f"{kind} manifest does not match {schema_file(kind, version)} at {where}: {e.message}")
+
+
+class Artifact:
+    """A read-only view of an artifact directory."""
+
+    def __init__(self, path: str | os.PathLike, kind: str | Iterable[str] | None = None, validate: bool = True):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        if kind is not None:
+            kinds = {kind} if isinstance(kind, str) else set(kind)
+            if self.manifest["kind"] not in kinds:
+                raise EldrError(
+                    f"{self.path} is a {self.manifest['kind']!r} artifact; expected {' or '.join(sorted(kinds))}")
+        if validate:
+            validate_manifest(self.manifest)
+        self._group = None
+
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def params(self) -> dict:
+        return self.manifest.get("params", {})
+
+    @property
+    def metrics(self) -> dict:
+        return self.manifest.get("metrics", {})
+
+    @property
+    def content_hash(self) -> str:
+        return self.manifest["content_hash"]
+
+    def _zgroup(self):
+        if self._group is None:
+            import zarr
+
+            zpath = self.path / ARRAYS
+            if not zpath.exists():
+                raise EldrError(f"{self.path} has no arrays ({ARRAYS} missing): a damaged artifact")
+            self._group = zarr.open_group(str(zpath), mode="r", zarr_format=3)
+        return self._group
+
+    def has_array(self, name: str) -> bool:
+        return (self.path / ARRAYS / name).exists()
+
+    def array(self, name: str, *, lazy: bool = False):
+        if not self.has_array(name):
+            raise EldrError(f"{self.kind} artifact {self.path} lacks array {name!r}")
+        arr = self._zgroup()[name]
+        return arr if lazy else arr[...]
+
+    def table(self, name: str):
+        import polars as pl
+
+        f = self.path / f"{name}.parquet"
+        if not f.is_file():
+            raise EldrError(f"{self.kind} artifact {self.path} lacks table {name!r}")
+        return pl.read_parquet(f)
+
+    def verify(self) -> list[str]:
+        """Re-hash the files; return a list of problems (empty when intact)."""
+        problems = []
+        actual = _hash_tree(self.path)
+        expected = self.manifest.get("files", {})
+        for name, digest in expected.items():
+            if name not in actual:
+                problems.append(f"missing file {name}")
+            elif actual[name] != digest:
+                problems.append(f"content of {name} changed")
+        for name in actual.keys() - expected.keys():
+            problems.append(f"unexpected file {name}")
+        return problems

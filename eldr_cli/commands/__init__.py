@@ -1,0 +1,1 @@
+"""Thin typer wrappers, one module per subcommand: parse options, call a library function, print."""

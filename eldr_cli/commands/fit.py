@@ -1,0 +1,118 @@
+"""`eldr fit-idf`, `eldr select-layers`, `eldr cluster` and `eldr fit` (all three)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+TRACE = typer.Option(..., "--trace", help="Trace artifact (from `eldr capture`).")
+SPLIT = typer.Option("calibration", "--split", help="Requests to fit on: calibration, evaluation or all.")
+
+
+def fit_idf_cmd(trace: Path = TRACE, out: Path = typer.Option(Path("artifacts/fit/idf"), "--out"),
+                split: str = SPLIT) -> None:
+    """IDF weight of every (layer, expert) cell: w = log((|C|+1)/(df+1)) (ELDR §4.2.2)."""
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+    from eldr_cli.pipeline import run_fit_idf
+
+    run_fit_idf(trace, out, split=split)
+    m = Artifact(out).metrics
+    console.print(f"[green]idf[/] -> {out}: {m['n_requests']} requests, w in [{m['idf_min']:.3f}, "
+                  f"{m['idf_max']:.3f}], {m['cells_never_fired']} cells never fired ({m['wall_time_s']:.2f} s)")
+
+
+def select_layers_cmd(
+    trace: Path = TRACE,
+    idf: Path = typer.Option(..., "--idf", help="IDF artifact (from `eldr fit-idf`)."),
+    out: Path = typer.Option(Path("artifacts/fit/layers"), "--out"),
+    pairs: int = typer.Option(20000, "--pairs", help="Fixed-seed request pairs for rho (Eq. 1)."),
+    transform: str = typer.Option("auto", "--transform",
+                                  help="auto|count|count-idf|sqrt|binary|gate-prob|gate-logit"),
+    seed: int = typer.Option(0, "--seed"),
+    split: str = SPLIT,
+) -> None:
+    """Score signature transforms by rho and pick layers greedily; writes Fig. 7 and Fig. 8."""
+    from eldr_cli.pipeline import run_select_layers
+
+    run_select_layers(trace, idf, out, pairs=pairs, transform=transform, seed=seed, split=split)
+    _print_layers(out)
+
+
+def cluster_cmd(
+    trace: Path = TRACE,
+    layers: Path = typer.Option(..., "--layers", help="Layers artifact (from `eldr select-layers`)."),
+    decoders: int = typer.Option(..., "--decoders", "-k", help="K = number of decode workers."),
+    out: Path = typer.Option(Path("artifacts/fit/routing"), "--out"),
+    vanilla: bool = typer.Option(False, "--vanilla", help="Unconstrained K-means (ablation)."),
+    tau: float = typer.Option(0.1, "--tau", help="Default locality band width stored for the proxy."),
+    seed: int = typer.Option(0, "--seed"),
+    split: str = SPLIT,
+) -> None:
+    """Balanced K-means (exact capacity-constrained assignment) -> the routing artifact; writes Fig. 9."""
+    from eldr_cli.pipeline import run_cluster
+
+    run_cluster(trace, layers, out, decoders=decoders, vanilla=vanilla, seed=seed, tau=tau, split=split)
+    _print_routing(out)
+
+
+def fit_cmd(
+    trace: Path = TRACE,
+    decoders: int = typer.Option(..., "--decoders", "-k", help="K = number of decode workers."),
+    out: Path = typer.Option(Path("artifacts/fit"), "--out"),
+    pairs: int = typer.Option(20000, "--pairs"),
+    transform: str = typer.Option("auto", "--transform"),
+    tau: float = typer.Option(0.1, "--tau"),
+    vanilla: bool = typer.Option(False, "--vanilla"),
+    seed: int = typer.Option(0, "--seed"),
+    split: str = SPLIT,
+    figures: bool = typer.Option(True, "--figures/--no-figures", help="Write Fig. 7, 8 and 9."),
+) -> None:
+    """fit-idf -> select-layers -> cluster in one go; OUT/routing is what `serve-proxy` loads."""
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+    from eldr_cli.pipeline import run_fit
+
+    run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
+            vanilla=vanilla, split=split, figures=figures)
+    _print_layers(out / "layers")
+    _print_routing(out / "routing")
+    console.print(f"fit took {Artifact(out).metrics['fit_s']:.2f} s -> [bold]{out / 'routing'}[/]")
+
+
+def _print_layers(path: Path) -> None:
+    from rich.table import Table
+
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+
+    a = Artifact(path)
+    m = a.metrics
+    t = Table(title=f"signature quality rho (Eq. 1), {a.params['pairs']} pairs")
+    t.add_column("transform")
+    t.add_column("rho (all layers)", justify="right")
+    for k, v in sorted(m["rho_by_transform"].items(), key=lambda kv: -kv[1]):
+        t.add_row(k + (" *" if k == a.params["transform"] else ""), f"{v:.4f}")
+    console.print(t)
+    console.print(f"layers kept N* = {m['n_layers_kept']} of {m['num_layers']}: rho {m['rho_all_layers']:.4f} -> "
+                  f"{m['rho_peak']:.4f}; figures in {path}")
+
+
+def _print_routing(path: Path) -> None:
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+
+    a = Artifact(path)
+    m = a.metrics
+    kind = "balanced" if a.params["balanced"] else "vanilla"
+    console.print(f"[green]{kind} K-means[/] K={a.params['n_clusters']} on {m['n_signatures']} signatures: sizes "
+                  f"{min(m['cluster_sizes'])}..{max(m['cluster_sizes'])} (cap {m['capacity']}), mean cosine "
+                  f"distance {m['mean_cosine_distance']:.4f}, {m['n_iter']} iterations, {m['fit_s']:.2f} s -> {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fit-idf")(fit_idf_cmd)
+    app.command("select-layers")(select_layers_cmd)
+    app.command("cluster")(cluster_cmd)
+    app.command("fit")(fit_cmd)

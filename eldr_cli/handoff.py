@@ -1,0 +1,65 @@
+"""The compact, versioned encoding of a request's expert counts inside ``kv_transfer_params``.
+
+Schema: ``manifests/handoff-signature.v1.schema.json``. The prefill worker (the vLLM plugin or
+the emulator) puts ``encode_counts(counts)`` under ``kv_transfer_params[SIGNATURE_KEY]``; the proxy
+pops it with :func:`pop_signature` before forwarding ``kv_transfer_params`` to the decoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import zlib
+
+import numpy as np
+
+SIGNATURE_KEY = "eldr_signature"
+VERSION = 1
+_DTYPES = {"u1": np.uint8, "u2": np.uint16, "u4": np.uint32}
+
+
+class SignatureDecodeError(ValueError):
+    """A signature field that is present but malformed (the proxy falls back to JSQ)."""
+
+
+def encode_counts(counts: np.ndarray, tokens: int | None = None) -> dict:
+    """counts: int [L, E], non-negative -> JSON-able dict (smallest unsigned dtype that fits)."""
+    c = np.asarray(counts)
+    if c.ndim != 2:
+        raise ValueError(f"counts must be [L, E], got shape {c.shape}")
+    if c.size and c.min() < 0:
+        raise ValueError("counts must be non-negative")
+    top = int(c.max()) if c.size else 0
+    code = "u1" if top < 2**8 else "u2" if top < 2**16 else "u4"
+    raw = np.ascontiguousarray(c, dtype=np.dtype(_DTYPES[code]).newbyteorder("<")).tobytes()
+    out = {"v": VERSION, "shape": [int(c.shape[0]), int(c.shape[1])], "dtype": code,
+           "encoding": "zlib+b64", "data": base64.b64encode(zlib.compress(raw, 1)).decode("ascii")}
+    if tokens is not None:
+        out["tokens"] = int(tokens)
+    return out
+
+
+def decode_counts(obj: dict) -> np.ndarray:
+    """Inverse of :func:`encode_counts`: int64 [L, E]. Raises SignatureDecodeError when malformed."""
+    try:
+        if obj.get("v") != VERSION:
+            raise SignatureDecodeError(f"signature version {obj.get('v')!r} is not {VERSION}")
+        L, E = (int(x) for x in obj["shape"])
+        dt = np.dtype(_DTYPES[obj["dtype"]]).newbyteorder("<")
+        if obj.get("encoding") != "zlib+b64":
+            raise SignatureDecodeError(f"unknown signature encoding {obj.get('encoding')!r}")
+        raw = zlib.decompress(base64.b64decode(obj["data"], validate=True))
+        arr = np.frombuffer(raw, dtype=dt)
+        if arr.size != L * E:
+            raise SignatureDecodeError(f"signature has {arr.size} values, shape says {L}x{E}")
+        return arr.reshape(L, E).astype(np.int64)
+    except SignatureDecodeError:
+        raise
+    except (KeyError, TypeError, ValueError, zlib.error, AttributeError) as e:
+        raise SignatureDecodeError(f"malformed signature: {e}") from None
+
+
+def pop_signature(kv_transfer_params: dict | None) -> dict | None:
+    """Remove and return the encoded signature from a prefill answer's kv_transfer_params."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    return kv_transfer_params.pop(SIGNATURE_KEY, None)

@@ -1,0 +1,166 @@
+"""The offline fit as artifact-to-artifact stages: fit-idf -> select-layers -> cluster (and fit).
+
+Each ``run_*`` function reads its input artifacts, calls the estimators in ``eldr_cli.stages``,
+and writes one artifact atomically; the CLI commands are thin wrappers around them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.artifacts.store import Artifact, ArtifactWriter
+from eldr_cli.artifacts.trace import Trace, read_trace
+from eldr_cli.errors import EldrError
+
+
+def _fit_rows(trace: Trace, split: str) -> np.ndarray:
+    return np.flatnonzero(trace.split_mask(split))
+
+
+def _check_same_trace(art: Artifact, trace: Trace, what: str) -> None:
+    got = art.manifest.get("inputs", {}).get("trace", {}).get("content_hash")
+    if got != trace.content_hash:
+        raise EldrError(f"{what} {art.path} was fitted on another trace than {trace.path}",
+                        hint="rerun the earlier stages on this trace (or `eldr fit`)")
+
+
+def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
+                trace: Trace | None = None) -> Path:
+    from eldr_cli.stages.idf import ExpertIDF
+
+    trace = trace or read_trace(trace_path, with_picks=False)
+    rows = _fit_rows(trace, split)
+    est = ExpertIDF().fit(trace.prefill_counts[rows])
+    with ArtifactWriter(out, kind="idf", params={"transform": "count-idf", "split": split},
+                        inputs={"trace": trace_path}) as w:
+        w.write_array("idf", est.idf_)
+        w.write_array("df", est.df_.astype(np.int32))
+        w.metrics.update({"n_requests": est.n_requests_, "idf_min": float(est.idf_.min()),
+                          "idf_max": float(est.idf_.max()),
+                          "cells_never_fired": int((est.df_ == 0).sum())})
+    return Path(out)
+
+
+def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transform: str = "auto",
+                      seed: int = 0, split: str = "calibration", trace: Trace | None = None,
+                      figures: bool = True) -> Path:
+    from eldr_cli.stages.layers import LayerSelector
+
+    trace = trace or read_trace(trace_path, with_picks=False)
+    idf_art = Artifact(idf_path, kind="idf")
+    _check_same_trace(idf_art, trace, "IDF artifact")
+    idf = idf_art.array("idf")
+    if idf.shape != (trace.num_layers, trace.num_experts):
+        raise EldrError(f"IDF table is {idf.shape}, the trace is L={trace.num_layers}, E={trace.num_experts}")
+    rows = _fit_rows(trace, split)
+    gates = {"gate-prob": trace.prefill_gate_prob, "gate-logit": trace.prefill_gate_logit}
+    gates = {k: v[rows] for k, v in gates.items() if v is not None}
+    t0 = time.perf_counter()
+    sel = LayerSelector(transform=transform, n_pairs=pairs, seed=seed).fit(
+        trace.prefill_counts[rows], trace.decode_counts[rows], trace.decode_steps[rows], idf, gates)
+    fit_s = time.perf_counter() - t0
+    with ArtifactWriter(out, kind="layers", params={"transform": sel.transform_, "requested_transform": transform,
+                                                    "pairs": pairs, "seed": seed, "split": split},
+                        inputs={"trace": trace_path, "idf": idf_path}) as w:
+        w.write_array("order", sel.order_)
+        w.write_array("cumulative_rho", sel.cumulative_rho_)
+        w.write_array("mask", sel.mask_)
+        w.write_array("weights", sel.weights_)
+        w.metrics.update({"n_layers_kept": sel.n_layers_, "num_layers": trace.num_layers,
+                          "rho_by_transform": sel.rho_by_transform_, "rho_peak": sel.rho_peak_,
+                          "rho_all_layers": sel.rho_all_layers_, "n_requests": sel.n_requests_,
+                          "fit_s": round(fit_s, 4)})
+        if figures:
+            from eldr_cli import plots
+
+            plots.rho_per_transform(w.figure_path("fig7_rho_per_transform.png"), sel.rho_by_transform_,
+                                    chosen=sel.transform_)
+            plots.cumulative_rho(w.figure_path("fig8_cumulative_rho.png"), sel.cumulative_rho_, sel.n_layers_)
+    return Path(out)
+
+
+def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = False, seed: int = 0,
+                tau: float = 0.1, max_iter: int = 50, split: str = "calibration", trace: Trace | None = None,
+                figures: bool = True) -> Path:
+    from eldr_cli.stages.cluster import BalancedKMeans
+    from eldr_cli.stages.signature import signatures
+
+    if not 0.0 <= tau <= 1.0:
+        raise EldrError(f"tau must be in [0, 1], got {tau}")
+    trace = trace or read_trace(trace_path, with_picks=False)
+    lay = Artifact(layers_path, kind="layers")
+    _check_same_trace(lay, trace, "layers artifact")
+    transform = lay.params["transform"]
+    weights, mask = lay.array("weights"), lay.array("mask")
+    rows = _fit_rows(trace, split)
+    src = trace.gate(transform) if transform.startswith("gate") else trace.prefill_counts
+    S = signatures(src[rows], transform, weights, mask)
+    ok = np.linalg.norm(S, axis=1) > 0
+    rows, S = rows[ok], S[ok]
+    if isinstance(decoders, bool) or not isinstance(decoders, (int, np.integer)) or decoders < 1:
+        raise EldrError(f"--decoders must be a positive integer, got {decoders}")
+    if decoders > len(rows):
+        raise EldrError(f"--decoders {decoders} exceeds the {len(rows)} calibration signatures; "
+                        "K must be between 1 and N")
+    t0 = time.perf_counter()
+    km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
+    fit_s = time.perf_counter() - t0
+    labels = np.full(trace.n_requests, -1, dtype=np.int32)
+    labels[rows] = km.labels_
+    domains = trace.column("domain")[rows]
+    names, counts = np.unique(domains, return_counts=True)
+    share = {str(n): float(c) / len(rows) for n, c in zip(names, counts)}
+    with ArtifactWriter(out, kind="routing",
+                        params={"transform": transform, "n_clusters": decoders, "tau": tau,
+                                "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
+                                "num_layers": trace.num_layers, "num_experts": trace.num_experts,
+                                "top_k": trace.top_k, "model": trace.model.get("model"),
+                                "domain_share": share},
+                        inputs={"trace": trace_path, "layers": layers_path}) as w:
+        w.write_array("weights", weights)
+        w.write_array("mask", mask)
+        w.write_array("centroids", km.centroids_)
+        w.write_array("labels", labels)
+        w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
+                          "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
+                          "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
+        if figures:
+            from eldr_cli import plots
+
+            plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
+    return Path(out)
+
+
+def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: str = "auto", seed: int = 0,
+            tau: float = 0.1, vanilla: bool = False, split: str = "calibration", figures: bool = True) -> Path:
+    """All three stages, each into its own sub-artifact of ``out``; ``out/routing`` is what the proxy loads.
+
+    The whole directory is built beside ``out`` and renamed into place at the end.
+    """
+    trace = read_trace(trace_path, with_picks=False)
+    out = Path(out)
+    t0 = time.perf_counter()
+    with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
+                                                 "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
+                        inputs={"trace": trace_path}) as w:
+        # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
+        run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
+        run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
+                          seed=seed, split=split, trace=trace, figures=figures)
+        run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
+                    seed=seed, tau=tau, split=split, trace=trace, figures=figures)
+        for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
+            mf = w.path / sub / "manifest.json"
+            mf.write_text(mf.read_text().replace(str(w.path), str(out)))
+        lay = Artifact(w.path / "layers").metrics
+        rt = Artifact(w.path / "routing").metrics
+        w.metrics.update({"transform": Artifact(w.path / "layers").params["transform"],
+                          "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
+                          "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
+                          "objective": rt["objective"],
+                          "fit_s": round(time.perf_counter() - t0, 4)})
+    return out

@@ -1,0 +1,80 @@
+"""The paper's figures, written next to the artifacts that produce them (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "font.size": 9,
+                         "svg.hashsalt": "eldr", "path.simplify": True})
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def rho_per_transform(path: Path, rho: dict[str, float], chosen: str | None = None) -> Path:
+    """Fig. 7: signature quality rho (Eq. 1) for each candidate transform, full layer mask."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    names = list(rho)
+    vals = [rho[n] for n in names]
+    colors = ["tab:orange" if n == chosen else "tab:blue" for n in names]
+    ax.bar(names, vals, color=colors)
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("rho (Spearman, Eq. 1)")
+    ax.set_title("Signature quality per transform (all layers)" + (f"; kept: {chosen}" if chosen else ""))
+    lo = min(vals + [0.0])
+    ax.set_ylim(lo, max(vals) * 1.12 if max(vals) > 0 else 1)
+    return _save(fig, path)
+
+
+def cumulative_rho(path: Path, cum_rho: np.ndarray, n_star: int) -> Path:
+    """Fig. 8: cumulative rho against layers kept by greedy selection, N* starred."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    x = np.arange(1, len(cum_rho) + 1)
+    ax.plot(x, cum_rho, marker=".", lw=1)
+    ax.plot([n_star], [cum_rho[n_star - 1]], marker="*", ms=14, color="tab:red", label=f"N* = {n_star}")
+    ax.set_xlabel("layers kept (greedy order)")
+    ax.set_ylabel("cumulative rho")
+    ax.legend()
+    ax.set_title("Greedy layer selection")
+    return _save(fig, path)
+
+
+def pca_clusters(path: Path, signatures: np.ndarray, centroids: np.ndarray, domains) -> Path:
+    """Fig. 9: first two principal components of the signatures by domain, with the centroids."""
+    plt = _plt()
+    X = np.asarray(signatures, dtype=np.float64)
+    mu = X.mean(axis=0)
+    # PCA by SVD of a sample (deterministic) so large N stays cheap
+    sample = X if len(X) <= 5000 else X[np.linspace(0, len(X) - 1, 5000).astype(int)]
+    _, _, vt = np.linalg.svd(sample - mu, full_matrices=False)
+    P = (X - mu) @ vt[:2].T
+    C = (centroids - mu) @ vt[:2].T
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    domains = np.asarray(domains)
+    for d in sorted(set(domains.tolist())):
+        m = domains == d
+        ax.scatter(P[m, 0], P[m, 1], s=6, alpha=0.5, label=str(d))
+    ax.scatter(C[:, 0], C[:, 1], marker="X", s=90, c="black", label="centroids")
+    ax.set_xlabel("PC1")
+    ax.set_ylabel("PC2")
+    ax.legend(fontsize=7, markerscale=2)
+    ax.set_title(f"Signatures (PCA) and {len(C)} balanced centroids")
+    return _save(fig, path)

@@ -1,0 +1,110 @@
+"""Transform choice and greedy layer selection on signature quality rho (ELDR §4.2.2 step 3, §4.2.3)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+from eldr_cli.stages.signature import (
+    SERVABLE_TRANSFORMS,
+    TRANSFORMS,
+    PairLayerCache,
+    _rank,
+    apply_transform,
+    decode_pattern,
+    pair_cosine_distance,
+    sample_pairs,
+    spearman_to_target,
+)
+
+
+class LayerSelector:
+    """Scores transforms by rho on the full layer mask, then orders all L layers greedily.
+
+    Parameters: ``transform`` ("auto" or one of TRANSFORMS), ``n_pairs`` (fixed-seed pair sample
+    shared by every candidate), ``seed``.
+
+    fit(prefill_counts [R,L,E], decode_counts [R,L,E], decode_steps [R], idf [L,E],
+        gates={"gate-prob": [R,L,E], "gate-logit": [R,L,E]}) -> self with
+    ``transform_``, ``rho_by_transform_`` {name: rho}, ``order_`` int [L], ``cumulative_rho_`` [L],
+    ``n_layers_`` (N*), ``mask_`` int [N*] (sorted kept layers), ``weights_`` [L, E].
+
+    With ``transform="auto"`` the best servable transform (computable from handed-off counts) wins;
+    gate transforms are scored for the report (Fig. 7) but cannot be served.
+    """
+
+    def __init__(self, transform: str = "auto", n_pairs: int = 20000, seed: int = 0):
+        self.transform = transform
+        self.n_pairs = n_pairs
+        self.seed = seed
+
+    def fit(self, prefill_counts, decode_counts, decode_steps, idf, gates: dict | None = None) -> "LayerSelector":
+        if self.transform != "auto" and self.transform not in TRANSFORMS:
+            raise EldrError(f"unknown transform {self.transform!r}; expected auto or one of {', '.join(TRANSFORMS)}")
+        if self.n_pairs < 10:
+            raise EldrError(f"--pairs must be at least 10, got {self.n_pairs}")
+        gates = {k: v for k, v in (gates or {}).items() if v is not None}
+        pc = np.asarray(prefill_counts)
+        keep = (np.asarray(decode_steps) > 0) & (pc.reshape(pc.shape[0], -1).sum(axis=1) > 0)
+        if keep.sum() < 2:
+            raise EldrError("layer selection needs at least 2 requests with both prefill and decode tokens")
+        idx = np.flatnonzero(keep)
+        R, L, E = pc.shape
+        self.n_requests_ = int(len(idx))
+        self.pairs_ = sample_pairs(len(idx), self.n_pairs, self.seed)
+        pattern = decode_pattern(np.asarray(decode_counts)[idx], np.asarray(decode_steps)[idx])
+        t = _rank(pair_cosine_distance(pattern, self.pairs_))
+        t -= t.mean()
+        self._target = t
+
+        candidates = [n for n in TRANSFORMS if not n.startswith("gate") or n in gates]
+        if self.transform != "auto":
+            if self.transform.startswith("gate") and self.transform not in gates:
+                raise EldrError(f"transform {self.transform} needs {self.transform.replace('-', '_')} sums in the "
+                                "trace, which this trace lacks")
+            candidates = [self.transform]
+        self.rho_by_transform_ = {}
+        caches = {}
+        for name in candidates:
+            src = gates[name] if name.startswith("gate") else pc
+            x = apply_transform(np.asarray(src)[idx], name, idf)
+            cache = PairLayerCache(x, self.pairs_)
+            caches[name] = cache
+            d = cache.distance(cache.dots.sum(0), cache.ni.sum(0), cache.nj.sum(0))
+            self.rho_by_transform_[name] = float(spearman_to_target(d, t)[0])
+        if self.transform == "auto":
+            servable = {k: v for k, v in self.rho_by_transform_.items() if k in SERVABLE_TRANSFORMS}
+            self.transform_ = max(servable, key=servable.get)
+        else:
+            self.transform_ = self.transform
+        self.order_, self.cumulative_rho_ = self._greedy(caches[self.transform_], t)
+        self.n_layers_ = int(np.argmax(self.cumulative_rho_)) + 1
+        self.mask_ = np.sort(self.order_[: self.n_layers_]).astype(np.int32)
+        self.weights_ = np.asarray(idf, dtype=np.float64) if self.transform_ == "count-idf" else np.ones((L, E))
+        self.rho_peak_ = float(self.cumulative_rho_[self.n_layers_ - 1])
+        self.rho_all_layers_ = float(self.cumulative_rho_[-1])
+        return self
+
+    @staticmethod
+    def _greedy(cache: PairLayerCache, target: np.ndarray):
+        """§4.2.2 step 3: append the layer whose inclusion gives the highest rho; order all L."""
+        L = cache.dots.shape[0]
+        chosen: list[int] = []
+        rho_path: list[float] = []
+        dot = np.zeros(cache.dots.shape[1])
+        ni = np.zeros_like(dot)
+        nj = np.zeros_like(dot)
+        remaining = list(range(L))
+        while remaining:
+            rem = np.asarray(remaining)
+            d = cache.distance(dot[None] + cache.dots[rem], ni[None] + cache.ni[rem], nj[None] + cache.nj[rem])
+            rhos = spearman_to_target(d, target)
+            b = int(np.argmax(rhos))
+            best = int(rem[b])
+            chosen.append(best)
+            rho_path.append(float(rhos[b]))
+            dot += cache.dots[best]
+            ni += cache.ni[best]
+            nj += cache.nj[best]
+            remaining.remove(best)
+        return np.asarray(chosen, dtype=np.int32), np.asarray(rho_path)

@@ -1,0 +1,167 @@
+"""Expert signatures (ELDR §4.2): transforms, decode patterns and signature quality rho (Eq. 1).
+
+Shapes: counts int [R, L, E]; a signature is float [N* x E] (masked layers, weighted, unit norm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+
+# §4.2.3 / Fig. 7: the six candidate transforms. Only the count-derived ones can be computed from
+# what the prefill worker hands off (integer counts), so only they are servable by the proxy.
+TRANSFORMS = ("count", "count-idf", "sqrt", "binary", "gate-prob", "gate-logit")
+SERVABLE_TRANSFORMS = ("count", "count-idf", "sqrt", "binary")
+
+
+def apply_transform(counts: np.ndarray, transform: str, idf: np.ndarray | None = None) -> np.ndarray:
+    """Per-cell transform of counts [..., L, E] -> float64 [..., L, E] (before masking/normalizing).
+
+    Gate transforms take the summed gate scores in place of ``counts``.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    if transform in ("count", "gate-prob", "gate-logit"):
+        return c
+    if transform == "count-idf":
+        if idf is None:
+            raise EldrError("transform count-idf needs an IDF table (run `eldr fit-idf` first)")
+        return c * idf
+    if transform == "sqrt":
+        return np.sqrt(c)
+    if transform == "binary":
+        return (c > 0).astype(np.float64)
+    raise EldrError(f"unknown transform {transform!r}; expected one of {', '.join(TRANSFORMS)}")
+
+
+def l2_normalize(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    n = np.linalg.norm(x, axis=axis, keepdims=True)
+    return np.divide(x, n, out=np.zeros_like(x, dtype=np.float64), where=n > 0)
+
+
+def signatures(counts: np.ndarray, transform: str, weights: np.ndarray | None, mask) -> np.ndarray:
+    """Eq. 2 for a batch: counts [R, L, E] -> unit signatures [R, |mask| * E]."""
+    x = apply_transform(np.asarray(counts)[:, mask, :], transform,
+                        None if weights is None else np.asarray(weights)[mask])
+    return l2_normalize(x.reshape(x.shape[0], -1))
+
+
+def decode_pattern(decode_counts: np.ndarray, decode_steps: np.ndarray) -> np.ndarray:
+    """§4.2.1 target: p_r(l, e) = fraction of r's decode steps picking e at l; flat, unit norm [R, L*E]."""
+    steps = np.maximum(np.asarray(decode_steps, dtype=np.float64), 1.0)
+    p = np.asarray(decode_counts, dtype=np.float64) / steps[:, None, None]
+    return l2_normalize(p.reshape(p.shape[0], -1))
+
+
+def sample_pairs(n: int, n_pairs: int, seed: int = 0) -> np.ndarray:
+    """A fixed-seed sample of ``n_pairs`` ordered pairs (i, j), i != j, as int64 [P, 2]."""
+    if n < 2:
+        raise EldrError(f"signature quality needs at least 2 requests, got {n}")
+    rng = np.random.default_rng(seed)
+    i = rng.integers(0, n, size=n_pairs)
+    j = rng.integers(0, n - 1, size=n_pairs)
+    j = j + (j >= i)  # uniform over j != i
+    return np.stack([i, j], axis=1)
+
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    """Average ranks along the last axis (ties share their mean rank), like scipy.stats.rankdata."""
+    from scipy.stats import rankdata
+
+    return rankdata(x, axis=-1)
+
+
+def _spearman_rows(d: np.ndarray, target_rank_centered: np.ndarray, t_norm: float) -> np.ndarray:
+    """Spearman of each row of d against the target, with average ranks for ties (as scipy).
+
+    Rows are ranked by one SIMD sort of packed keys (float32 distance bits << 32 | position), which
+    is several times faster than argsort; ranking therefore happens at float32 resolution.
+    """
+    C, P = d.shape
+    if P >= 2**32:
+        raise ValueError("too many pairs")
+    # non-negative float32 bit patterns order like the floats
+    bits = np.maximum(d, 0.0).astype(np.float32).view(np.uint32).astype(np.uint64)
+    key = np.sort((bits << np.uint64(32)) | np.arange(P, dtype=np.uint64), axis=1)
+    order = (key & np.uint64(0xFFFFFFFF)).astype(np.intp)
+    sd = key >> np.uint64(32)
+    t_sorted = np.take(target_rank_centered, order)
+    new_group = np.ones((C, P), dtype=bool)
+    new_group[:, 1:] = sd[:, 1:] != sd[:, :-1]
+    if new_group.all():
+        # no ties: ranks are 1..P in sorted order; centered rank norm^2 = P(P^2-1)/12
+        num = t_sorted @ np.arange(1, P + 1, dtype=np.float64)
+        den = np.full(C, np.sqrt(P * (P * P - 1) / 12.0) * t_norm)
+    else:
+        flat = new_group.ravel()
+        gid = np.cumsum(flat) - 1
+        starts = np.flatnonzero(flat)
+        sizes = np.diff(np.append(starts, flat.size))
+        avg = (starts % P) + (sizes - 1) / 2.0 + 1.0  # average 1-based rank of each tie group
+        ranks = avg[gid].reshape(C, P) - (P + 1) / 2.0
+        num = (ranks * t_sorted).sum(axis=1)
+        den = np.sqrt((ranks * ranks).sum(axis=1)) * t_norm
+    return np.divide(num, den, out=np.zeros(C), where=den > 0)
+
+
+_POOL = None
+
+
+def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray) -> np.ndarray:
+    """Spearman rho of each row of ``dist`` [C, P] against a target whose centered ranks are given
+    (ranking at float32 resolution; see :func:`_spearman_rows`). Rows are split over two threads
+    (numpy's sort releases the GIL)."""
+    global _POOL
+    d = np.atleast_2d(np.asarray(dist, dtype=np.float64))
+    t_norm = float(np.sqrt(target_rank_centered @ target_rank_centered))
+    if d.shape[0] < 4:
+        return _spearman_rows(d, target_rank_centered, t_norm)
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="eldr-rank")
+    half = d.shape[0] // 2
+    parts = list(_POOL.map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm),
+                           (slice(0, half), slice(half, None))))
+    return np.concatenate(parts)
+
+
+def pair_cosine_distance(s: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """1 - cos(s_i, s_j) for unit-norm rows of s over pairs [P, 2]."""
+    return 1.0 - np.einsum("pd,pd->p", s[pairs[:, 0]], s[pairs[:, 1]])
+
+
+def signature_quality(sig: np.ndarray, pattern: np.ndarray, pairs: np.ndarray) -> float:
+    """Eq. 1: Spearman(cos-dist(s_i, s_j), cos-dist(p_i, p_j)) over ``pairs``."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(pair_cosine_distance(sig, pairs), pair_cosine_distance(pattern, pairs)).statistic)
+
+
+class PairLayerCache:
+    """Per-layer pair dot products and per-layer squared norms, so that the cosine distance of any
+    layer mask over the fixed pair sample costs O(|mask| * P) instead of O(P * |mask| * E).
+
+    x: float [R, L, E] (transformed, weighted, not normalized); pairs int [P, 2].
+    dots: [L, P] = <x_i(l), x_j(l)>;  norms: [L, R] = ||x_r(l)||^2.
+    """
+
+    def __init__(self, x: np.ndarray, pairs: np.ndarray):
+        R, L, E = x.shape
+        self.pairs = pairs
+        pi, pj = pairs[:, 0], pairs[:, 1]
+        self.dots = np.empty((L, len(pairs)))
+        for l in range(L):
+            xl = np.ascontiguousarray(x[:, l, :])
+            if R <= 4096:  # one Gram matrix per layer is cheaper than gathering P pairs
+                self.dots[l] = (xl @ xl.T)[pi, pj]
+            else:
+                self.dots[l] = np.einsum("pe,pe->p", xl[pi], xl[pj])
+        self.norms = np.einsum("rle,rle->lr", x, x)  # [L, R]
+        self.ni = self.norms[:, pi]  # [L, P]
+        self.nj = self.norms[:, pj]
+
+    def distance(self, dot_sum: np.ndarray, ni_sum: np.ndarray, nj_sum: np.ndarray) -> np.ndarray:
+        den = np.sqrt(ni_sum * nj_sum)
+        cos = np.divide(dot_sum, den, out=np.zeros_like(dot_sum), where=den > 0)
+        return 1.0 - cos
