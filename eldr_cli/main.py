@@ -46,7 +46,7 @@ def run(argv: list[str] | None = None) -> int:
         from rich.console import Console
         from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

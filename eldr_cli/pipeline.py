@@ -28,6 +28,12 @@ def _check_same_trace(art: Artifact, trace: Trace, what: str) -> None:
                         hint="rerun the earlier stages on this trace (or `eldr fit`)")
 
 
+def _check_k(decoders, n: int) -> None:
+    if isinstance(decoders, bool) or not isinstance(decoders, (int, np.integer)) or not 1 <= decoders <= n:
+        raise EldrError(f"the number of decoders K must be between 1 and the number of calibration "
+                        f"signatures N={n}, got {decoders}")
+
+
 def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
                 trace: Trace | None = None) -> Path:
     from eldr_cli.stages.idf import ExpertIDF
@@ -101,11 +107,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     S = signatures(src[rows], transform, weights, mask)
     ok = np.linalg.norm(S, axis=1) > 0
     rows, S = rows[ok], S[ok]
-    if isinstance(decoders, bool) or not isinstance(decoders, (int, np.integer)) or decoders < 1:
-        raise EldrError(f"--decoders must be a positive integer, got {decoders}")
-    if decoders > len(rows):
-        raise EldrError(f"--decoders {decoders} exceeds the {len(rows)} calibration signatures; "
-                        "K must be between 1 and N")
+    _check_k(decoders, len(rows))
     t0 = time.perf_counter()
     km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
@@ -142,6 +144,7 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
     The whole directory is built beside ``out`` and renamed into place at the end.
     """
     trace = read_trace(trace_path, with_picks=False)
+    _check_k(decoders, int(trace.split_mask(split).sum()))  # fail before any work
     out = Path(out)
     t0 = time.perf_counter()
     with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,

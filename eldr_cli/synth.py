@@ -36,24 +36,31 @@ def synthetic_trace(n_requests: int = 1000, num_layers: int = 48, num_experts: i
     noise = rng.dirichlet(np.full(E, 1.0), size=(R, L))                    # [R, L, E]
     q = (1 - request_noise) * base[domain] + request_noise * noise
     q /= q.sum(axis=2, keepdims=True)
+    # decode follows the same distribution at informative layers; elsewhere its request-specific
+    # part is drawn afresh, so those layers' prefill counts say nothing about decode
+    fresh = rng.dirichlet(np.full(E, 1.0), size=(R, L))
+    q_dec = np.where(informative[None, :, None], q,
+                     (1 - request_noise) * base[domain] + request_noise * fresh)
+    q_dec /= q_dec.sum(axis=2, keepdims=True)
     T = rng.integers(prompt_tokens[0], prompt_tokens[1] + 1, size=R)
     prefill = np.empty((R, L, E), dtype=np.int32)
     for r in range(R):
         prefill[r] = rng.multinomial(T[r] * k, q[r])
     steps = np.full(R, decode_steps, dtype=np.int32)
-    p_step = np.minimum(1.0, k * q)
+    p_step = np.minimum(1.0, k * q_dec)
     decode = rng.binomial(steps[:, None, None], p_step).astype(np.int32)
     gate_prob = gate_logit = None
-    if with_gates:
-        gate_prob = (T[:, None, None] * (0.7 * q + 0.3 / E)).astype(np.float32)
-        gate_logit = (T[:, None, None] * np.log(q + 1e-3)).astype(np.float32)
+    if with_gates:  # gate sums: smoothed versions of the routing distribution plus token noise
+        jitter = rng.lognormal(0.0, 0.5, size=(R, L, E))
+        gate_prob = (T[:, None, None] * (0.5 * q * jitter + 0.5 / E)).astype(np.float32)
+        gate_logit = (T[:, None, None] * np.log(q * jitter + 1e-2)).astype(np.float32)
     picks = offsets = None
     if with_picks:
         # per step: k distinct experts per layer, drawn by Gumbel top-k from q
         S = int(steps.sum())
         picks = np.empty((S, L, k), dtype=np.int16)
         offsets = np.concatenate([[0], np.cumsum(steps)]).astype(np.int64)
-        logq = np.log(q + 1e-12)
+        logq = np.log(q_dec + 1e-12)
         for r in range(R):
             g = logq[r][None] + rng.gumbel(size=(steps[r], L, E))
             picks[offsets[r]:offsets[r + 1]] = np.argpartition(-g, k, axis=2)[:, :, :k]
