@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 # one module per subcommand (or group); each defines register(app)
-COMMAND_MODULES = ["inspect", "synth", "fit"]
+COMMAND_MODULES = ["inspect", "synth", "fit", "model"]
 
 
 def _register() -> None:
