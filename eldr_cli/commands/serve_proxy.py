@@ -1,0 +1,47 @@
+"""`eldr serve-proxy`: the OpenAI-compatible PD routing proxy (library: eldr_cli.proxy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def serve_proxy_cmd(
+    routing: Optional[Path] = typer.Option(None, "--routing", help="Routing (or fit) artifact from `eldr fit`."),
+    prefill: List[str] = typer.Option([], "--prefill", help="Prefill worker URL (repeatable)."),
+    decode: List[str] = typer.Option([], "--decode", help="Decode worker URL (repeatable); position i = centroid i."),
+    policy: Optional[str] = typer.Option(None, "--policy", help="eldr, round-robin, jsq, p2c, random or domain (default eldr)."),
+    tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the artifact's tau)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, "--port", help="Port (default 8000)."),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN",
+                                              help="Bearer token for /admin/* (unset: admin disabled)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML or TOML file with the same keys."),
+    decision_log: Optional[str] = typer.Option(None, "--decision-log", help="FILE.jsonl or FILE.parquet."),
+    scrape_metrics: Optional[bool] = typer.Option(None, "--scrape-metrics/--no-scrape-metrics",
+                                                  help="Combine in-flight with workers' vllm:num_requests_running."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Answer 413 above this body size (default 4 MiB)."),
+    log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error (default info)."),
+) -> None:
+    """Route each request's decode leg by its expert signature and live load (ELDR §4.3.2)."""
+    from eldr_cli.console import console
+    from eldr_cli.proxy import build_config, serve
+
+    cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
+                       policy=policy, tau=tau, host=host, port=port, admin_token=admin_token,
+                       decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
+                       log_level=log_level)
+    from eldr_cli.proxy.app import create_app
+
+    create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
+    console.print(f"[green]eldr serve-proxy[/] on http://{cfg.host}:{cfg.port}  policy={cfg.policy}"
+                  f"  prefill={len(cfg.prefill)}  decode={len(cfg.decode)}"
+                  + (f"  routing={cfg.routing}" if cfg.routing else "")
+                  + ("  admin=on" if cfg.admin_token else "  admin=off"), highlight=False)
+    serve(cfg)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve-proxy")(serve_proxy_cmd)

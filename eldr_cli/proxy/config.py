@@ -1,0 +1,124 @@
+"""Proxy configuration: one dataclass, filled from a YAML/TOML file and/or CLI options.
+
+Config file keys are the CLI option names with ``-`` or ``_`` (``--admin-token`` -> ``admin_token``);
+CLI options given explicitly win over the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eldr_cli.errors import EldrError
+from eldr_cli.stages.routing import POLICIES
+
+
+@dataclass
+class ProxyConfig:
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    routing: str | None = None          # routing (or fit) artifact dir; needed by eldr and domain
+    policy: str = "eldr"
+    tau: float | None = None            # None -> the tau stored in the routing artifact
+    seed: int = 0                       # for random / p2c
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = None      # None -> env ELDR_ADMIN_TOKEN; unset -> admin endpoints disabled
+    max_body_bytes: int = 4 * 1024 * 1024
+    # upstream timeouts (seconds)
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 60.0     # whole prefill leg
+    decode_read_timeout_s: float = 300.0  # max silence between two decode chunks
+    max_connections_per_worker: int = 1024
+    # prefill routing: PrefixHash over the prompt's leading blocks, least-loaded above 1.25x average
+    prefix_block_chars: int = 256
+    prefix_blocks: int = 4
+    prefill_overload_factor: float = 1.25
+    # active health checks
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    health_path: str = "/health"
+    health_fail_threshold: int = 3
+    health_success_threshold: int = 2
+    # combine in-flight with vllm:num_requests_running scraped from workers' /metrics
+    scrape_metrics: bool = False
+    # decision log (.jsonl appends; .parquet writes numbered part files) for offline replay
+    decision_log: str | None = None
+    log_level: str = "info"
+    access_log: bool = False
+
+    def validate(self) -> "ProxyConfig":
+        if self.policy not in POLICIES:
+            raise EldrError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if not self.prefill:
+            raise EldrError("no prefill worker given", hint="pass --prefill URL (repeatable)")
+        if not self.decode:
+            raise EldrError("no decode worker given", hint="pass --decode URL (repeatable)")
+        for u in [*self.prefill, *self.decode]:
+            if not (u.startswith("http://") or u.startswith("https://")):
+                raise EldrError(f"worker URL {u!r} must start with http:// or https://")
+        if self.policy in ("eldr", "domain") and not self.routing:
+            raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
+        if self.tau is not None and not (0.0 <= self.tau <= 2.0):
+            raise EldrError(f"tau must be in [0, 2], got {self.tau}")
+        if self.max_body_bytes < 1024:
+            raise EldrError("max_body_bytes must be at least 1024")
+        if self.health_fail_threshold < 1 or self.health_success_threshold < 1:
+            raise EldrError("health thresholds must be >= 1")
+        if self.decision_log and not str(self.decision_log).endswith((".jsonl", ".parquet")):
+            raise EldrError(f"decision log {self.decision_log!r} must end with .jsonl or .parquet")
+        if self.admin_token is None:
+            self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
+        self.prefill = [u.rstrip("/") for u in self.prefill]
+        self.decode = [u.rstrip("/") for u in self.decode]
+        return self
+
+
+def load_config_file(path: str | os.PathLike) -> dict:
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict of ProxyConfig keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise EldrError(f"config file {p} does not exist")
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(p.read_text())
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(p.read_text()) or {}
+        else:
+            raise EldrError(f"config file {p} must end with .yaml, .yml or .toml")
+    except EldrError:
+        raise
+    except Exception as e:  # parse errors of either format
+        raise EldrError(f"cannot parse config file {p}: {e}") from None
+    if not isinstance(data, dict):
+        raise EldrError(f"config file {p} must hold a mapping of option names to values")
+    known = {f.name for f in dataclasses.fields(ProxyConfig)}
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in known:
+            raise EldrError(f"unknown key {k!r} in config file {p}", hint=f"known keys: {', '.join(sorted(known))}")
+        if key in ("prefill", "decode") and isinstance(v, str):
+            v = [v]
+        out[key] = v
+    return out
+
+
+def build_config(file: str | os.PathLike | None = None, **overrides) -> ProxyConfig:
+    """File values, then explicit overrides (None = not given), validated."""
+    values = load_config_file(file) if file else {}
+    for k, v in overrides.items():
+        if v is None or (isinstance(v, (list, tuple)) and not v):
+            continue
+        values[k] = list(v) if isinstance(v, tuple) else v
+    try:
+        cfg = ProxyConfig(**values)
+    except TypeError as e:
+        raise EldrError(f"bad proxy configuration: {e}") from None
+    return cfg.validate()

@@ -1,0 +1,133 @@
+"""Upstream workers, their load state and health, and the prefill-side PrefixHash choice.
+
+Worker ids are stable for the life of the proxy: ``p<n>`` / ``d<n>`` handed out in order of
+addition and never reused. The decode pool's *position* i is the worker the policies (and the
+routing artifact's centroid i) call worker i.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+DOWN_LOAD = 1 << 30  # load shown to policies for a worker marked down
+
+
+@dataclass(eq=False)
+class Worker:
+    id: str
+    role: str                      # "prefill" | "decode"
+    url: str
+    healthy: bool = True
+    inflight: int = 0              # requests dispatched by this proxy and not yet finished
+    scraped_running: int | None = None  # vllm:num_requests_running from the worker's /metrics
+    fail_streak: int = 0
+    ok_streak: int = 0
+    removed: bool = False
+    session: object = field(default=None, repr=False)  # aiohttp.ClientSession, one pool per upstream
+    salt: int = 0
+
+    def load(self, use_scraped: bool = False) -> int:
+        if use_scraped and self.scraped_running is not None:
+            return max(self.inflight, self.scraped_running)
+        return self.inflight
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy,
+                "inflight": self.inflight, "scraped_running": self.scraped_running}
+
+
+class WorkerPool:
+    """An ordered set of workers of one role."""
+
+    def __init__(self, role: str, urls: list[str]):
+        self.role = role
+        self.workers: list[Worker] = []
+        self._next_id = 0
+        for u in urls:
+            self.add(u)
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __iter__(self):
+        return iter(self.workers)
+
+    def find(self, url: str) -> Worker | None:
+        url = url.rstrip("/")
+        for w in self.workers:
+            if w.url == url:
+                return w
+        return None
+
+    def add(self, url: str) -> Worker:
+        url = url.rstrip("/")
+        if self.find(url) is not None:
+            raise ValueError(f"{self.role} worker {url} is already in the pool")
+        wid = f"{self.role[0]}{self._next_id}"
+        self._next_id += 1
+        w = Worker(id=wid, role=self.role, url=url, salt=zlib.crc32(wid.encode()))
+        self.workers.append(w)
+        return w
+
+    def remove(self, url: str) -> Worker:
+        w = self.find(url)
+        if w is None:
+            raise ValueError(f"no {self.role} worker {url.rstrip('/')} in the pool")
+        self.workers.remove(w)
+        w.removed = True
+        return w
+
+    def loads(self, use_scraped: bool = False) -> list[int]:
+        return [w.load(use_scraped) if w.healthy else DOWN_LOAD for w in self.workers]
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+
+def prompt_key(body: dict, chat: bool) -> str:
+    """The text whose leading blocks identify a prompt for prefix affinity."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or ():
+            if not isinstance(m, dict):
+                continue
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}:{c or ''}\n")
+        return "".join(parts)
+    p = body.get("prompt")
+    if isinstance(p, list):
+        p = p[0] if p else ""
+        if isinstance(p, list):  # token ids
+            return ",".join(map(str, p))
+        if isinstance(p, int):
+            return ",".join(map(str, body["prompt"]))
+    return p if isinstance(p, str) else ""
+
+
+class PrefixHashPrefill:
+    """PrefixHash: rendezvous-hash the prompt's first ``blocks`` blocks of ``block_chars`` characters
+    onto the healthy prefill workers (so a shared prefix meets a warm prefix cache, and adding or
+    removing a worker moves only its own keys); if the matched worker's load is above
+    ``overload`` x the average prefill load, take the least-loaded worker instead."""
+
+    def __init__(self, block_chars: int = 256, blocks: int = 4, overload: float = 1.25):
+        self.span = max(1, block_chars * blocks)
+        self.overload = overload
+
+    def choose(self, pool: WorkerPool, key: str, exclude: Worker | None = None) -> Worker | None:
+        cands = [w for w in pool.workers if w.healthy and w is not exclude]
+        if not cands:
+            cands = [w for w in pool.workers if w is not exclude]  # all down: try anyway
+            if not cands:
+                return None
+        if exclude is not None:  # a retry: the least-loaded other worker
+            return min(cands, key=lambda w: w.inflight)
+        kb = key[: self.span].encode("utf-8", "surrogatepass")
+        best = max(cands, key=lambda w: zlib.crc32(kb, w.salt))
+        avg = sum(w.inflight for w in cands) / len(cands)
+        if avg > 0 and best.inflight > self.overload * avg:
+            return min(cands, key=lambda w: w.inflight)
+        return best
