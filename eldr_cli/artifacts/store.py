@@ -42,6 +42,7 @@ SCHEMA_VERSIONS: dict[str, int] = {
     "routing": 1,
     "fit": 1,
     "placement": 1,
+    "placement-eval": 1,
     "cost-model": 1,
     "bench": 1,
 }
