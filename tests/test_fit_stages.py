@@ -40,8 +40,11 @@ def test_rho_equals_scipy_spearman_on_same_pairs():
     p = decode_pattern(t.decode_counts, t.decode_steps)
     ds = np.array([1 - s[i] @ s[j] for i, j in pairs])
     dp = np.array([1 - p[i] @ p[j] for i, j in pairs])
-    expected = spearmanr(ds, dp).statistic
-    assert signature_quality(s, p, pairs) == pytest.approx(expected, abs=1e-12)
+    np.testing.assert_allclose(pair_cosine_distance(s, pairs), ds, atol=1e-12)
+    np.testing.assert_allclose(pair_cosine_distance(p, pairs), dp, atol=1e-12)
+    expected = spearmanr(pair_cosine_distance(s, pairs), pair_cosine_distance(p, pairs)).statistic
+    assert signature_quality(s, p, pairs) == expected
+    assert expected == pytest.approx(spearmanr(ds, dp).statistic, abs=1e-6)
     # the fast batched ranking used by the greedy search agrees too
     tr = _rank(dp)
     tr -= tr.mean()

@@ -163,8 +163,11 @@ class BalancedKMeans:
 
     def _update(self, X, labels, C, rng) -> np.ndarray:
         K = self.n_clusters
-        sums = np.zeros((K, X.shape[1]))
-        np.add.at(sums, labels, X) if X.shape[0] < 2048 else _segment_sum(X, labels, sums)
+        from scipy.sparse import csr_matrix
+
+        N = X.shape[0]
+        onehot = csr_matrix((np.ones(N, dtype=X.dtype), (labels, np.arange(N))), shape=(K, N))
+        sums = np.asarray(onehot @ X, dtype=np.float64)  # [K, d] per-cluster sums
         norms = np.linalg.norm(sums, axis=1)
         out = C.copy()
         ok = norms > 0
@@ -175,13 +178,3 @@ class BalancedKMeans:
     def predict(self, X: np.ndarray) -> np.ndarray:
         """Nearest centroid by cosine (unconstrained)."""
         return (np.asarray(X) @ self.centroids_.T).argmax(axis=1).astype(np.int32)
-
-
-def _segment_sum(X, labels, out):
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=out.shape[0])
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    Xs = X[order]
-    for k in np.flatnonzero(counts):
-        out[k] = Xs[starts[k]:starts[k] + counts[k]].sum(axis=0, dtype=np.float64)
-    return out

@@ -48,10 +48,10 @@ class LayerSelector:
         keep = (np.asarray(decode_steps) > 0) & (pc.reshape(pc.shape[0], -1).sum(axis=1) > 0)
         if keep.sum() < 2:
             raise EldrError("layer selection needs at least 2 requests with both prefill and decode tokens")
-        idx = np.flatnonzero(keep)
+        idx = slice(None) if keep.all() else np.flatnonzero(keep)
         R, L, E = pc.shape
-        self.n_requests_ = int(len(idx))
-        self.pairs_ = sample_pairs(len(idx), self.n_pairs, self.seed)
+        self.n_requests_ = int(keep.sum())
+        self.pairs_ = sample_pairs(self.n_requests_, self.n_pairs, self.seed)
         pattern = decode_pattern(np.asarray(decode_counts)[idx], np.asarray(decode_steps)[idx])
         t = _rank(pair_cosine_distance(pattern, self.pairs_))
         t -= t.mean()
@@ -87,7 +87,11 @@ class LayerSelector:
 
     @staticmethod
     def _greedy(cache: PairLayerCache, target: np.ndarray):
-        """§4.2.2 step 3: append the layer whose inclusion gives the highest rho; order all L."""
+        """§4.2.2 step 3: append the layer whose inclusion gives the highest rho; order all L.
+
+        Candidates are compared with rho at 16-bit distance resolution (see signature._sorted_keys);
+        the reported cumulative rho of each chosen prefix is recomputed at float32 resolution.
+        """
         L = cache.dots.shape[0]
         chosen: list[int] = []
         rho_path: list[float] = []
@@ -98,11 +102,11 @@ class LayerSelector:
         while remaining:
             rem = np.asarray(remaining)
             d = cache.distance(dot[None] + cache.dots[rem], ni[None] + cache.ni[rem], nj[None] + cache.nj[rem])
-            rhos = spearman_to_target(d, target)
+            rhos = spearman_to_target(d, target, resolution="u16")
             b = int(np.argmax(rhos))
             best = int(rem[b])
             chosen.append(best)
-            rho_path.append(float(rhos[b]))
+            rho_path.append(float(spearman_to_target(d[b:b + 1], target)[0]))
             dot += cache.dots[best]
             ni += cache.ni[best]
             nj += cache.nj[best]

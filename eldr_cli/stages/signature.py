@@ -71,20 +71,29 @@ def _rank(x: np.ndarray) -> np.ndarray:
     return rankdata(x, axis=-1)
 
 
-def _spearman_rows(d: np.ndarray, target_rank_centered: np.ndarray, t_norm: float) -> np.ndarray:
-    """Spearman of each row of d against the target, with average ranks for ties (as scipy).
+def _sorted_keys(d: np.ndarray, resolution: str):
+    """Sort each row of distances; return (order, sorted keys) at the given key resolution.
 
-    Rows are ranked by one SIMD sort of packed keys (float32 distance bits << 32 | position), which
-    is several times faster than argsort; ranking therefore happens at float32 resolution.
+    float32: one SIMD sort of packed keys (float32 bits << 32 | position). u16: distances scaled to
+    0..65535 and ranked by numpy's radix argsort, ~2x faster again; ranks then tie within 1/65535 of
+    the distance range, which moves rho by ~1e-6 (the pair sample's own sd is ~5e-3).
     """
     C, P = d.shape
-    if P >= 2**32:
-        raise ValueError("too many pairs")
-    # non-negative float32 bit patterns order like the floats
+    if resolution == "u16":
+        top = float(d.max()) if d.size else 0.0
+        q = np.rint(np.maximum(d, 0.0) * (65535.0 / top if top > 0 else 0.0)).astype(np.uint16)
+        order = np.argsort(q, axis=1, kind="stable")
+        return order, np.take_along_axis(q, order, axis=1)
     bits = np.maximum(d, 0.0).astype(np.float32).view(np.uint32).astype(np.uint64)
     key = np.sort((bits << np.uint64(32)) | np.arange(P, dtype=np.uint64), axis=1)
-    order = (key & np.uint64(0xFFFFFFFF)).astype(np.intp)
-    sd = key >> np.uint64(32)
+    return (key & np.uint64(0xFFFFFFFF)).astype(np.intp), key >> np.uint64(32)
+
+
+def _spearman_rows(d: np.ndarray, target_rank_centered: np.ndarray, t_norm: float,
+                   resolution: str = "float32") -> np.ndarray:
+    """Spearman of each row of d against the target, average ranks for ties (as scipy's rankdata)."""
+    C, P = d.shape
+    order, sd = _sorted_keys(d, resolution)
     t_sorted = np.take(target_rank_centered, order)
     new_group = np.ones((C, P), dtype=bool)
     new_group[:, 1:] = sd[:, 1:] != sd[:, :-1]
@@ -107,7 +116,7 @@ def _spearman_rows(d: np.ndarray, target_rank_centered: np.ndarray, t_norm: floa
 _POOL = None
 
 
-def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray) -> np.ndarray:
+def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray, resolution: str = "float32") -> np.ndarray:
     """Spearman rho of each row of ``dist`` [C, P] against a target whose centered ranks are given
     (ranking at float32 resolution; see :func:`_spearman_rows`). Rows are split over two threads
     (numpy's sort releases the GIL)."""
@@ -115,20 +124,41 @@ def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray) -> np
     d = np.atleast_2d(np.asarray(dist, dtype=np.float64))
     t_norm = float(np.sqrt(target_rank_centered @ target_rank_centered))
     if d.shape[0] < 4:
-        return _spearman_rows(d, target_rank_centered, t_norm)
+        return _spearman_rows(d, target_rank_centered, t_norm, resolution)
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="eldr-rank")
     half = d.shape[0] // 2
-    parts = list(_POOL.map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm),
+    parts = list(_POOL.map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm, resolution),
                            (slice(0, half), slice(half, None))))
     return np.concatenate(parts)
 
 
+def _grouped_pair_dots(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """Per-layer dot products <x_i(l), x_j(l)> for pairs [P, 2]: x [R, L, E] -> [L, P].
+
+    Pairs are grouped by their first request, so each request's row is read once and multiplied
+    with its partners' rows (P * L * E multiply-adds, not the R^2 of a Gram matrix).
+    """
+    R, L, E = x.shape
+    P = len(pairs)
+    out = np.empty((L, P), dtype=np.float64)
+    order = np.argsort(pairs[:, 0], kind="stable")
+    pi, pj = pairs[order, 0], pairs[order, 1]
+    bounds = np.flatnonzero(np.diff(pi)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [P]])
+    res = np.empty((L, P), dtype=np.float64)
+    for a, b in zip(starts, ends):
+        res[:, a:b] = np.matmul(x[pj[a:b]].transpose(1, 0, 2), x[pi[a], :, :, None])[..., 0]
+    out[:, order] = res
+    return out
+
+
 def pair_cosine_distance(s: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """1 - cos(s_i, s_j) for unit-norm rows of s over pairs [P, 2]."""
-    return 1.0 - np.einsum("pd,pd->p", s[pairs[:, 0]], s[pairs[:, 1]])
+    """1 - cos(s_i, s_j) for unit-norm rows of s [R, d] over pairs [P, 2]."""
+    return 1.0 - _grouped_pair_dots(np.asarray(s)[:, None, :], pairs)[0]
 
 
 def signature_quality(sig: np.ndarray, pattern: np.ndarray, pairs: np.ndarray) -> float:
@@ -147,19 +177,11 @@ class PairLayerCache:
     """
 
     def __init__(self, x: np.ndarray, pairs: np.ndarray):
-        R, L, E = x.shape
         self.pairs = pairs
-        pi, pj = pairs[:, 0], pairs[:, 1]
-        self.dots = np.empty((L, len(pairs)))
-        for l in range(L):
-            xl = np.ascontiguousarray(x[:, l, :])
-            if R <= 4096:  # one Gram matrix per layer is cheaper than gathering P pairs
-                self.dots[l] = (xl @ xl.T)[pi, pj]
-            else:
-                self.dots[l] = np.einsum("pe,pe->p", xl[pi], xl[pj])
+        self.dots = _grouped_pair_dots(np.asarray(x, dtype=np.float64), pairs)  # [L, P]
         self.norms = np.einsum("rle,rle->lr", x, x)  # [L, R]
-        self.ni = self.norms[:, pi]  # [L, P]
-        self.nj = self.norms[:, pj]
+        self.ni = self.norms[:, pairs[:, 0]]  # [L, P]
+        self.nj = self.norms[:, pairs[:, 1]]
 
     def distance(self, dot_sum: np.ndarray, ni_sum: np.ndarray, nj_sum: np.ndarray) -> np.ndarray:
         den = np.sqrt(ni_sum * nj_sum)

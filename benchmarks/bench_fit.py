@@ -1,0 +1,225 @@
+"""make bench-fit: the offline fit's speed, exact balanced clustering at scale, the peer
+(k-means-constrained) side by side, and one routing decision. Prints a table, writes JSON.
+
+All inputs are GENERATED (eldr_cli.synth / clustered Gaussian signatures): these are timings,
+not quality claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _clustered(n, d, k, seed, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(k, d)).astype(dtype)
+    sizes = rng.dirichlet(np.full(k, 2.0)) * n  # skewed cluster sizes
+    lab = np.minimum(np.searchsorted(np.cumsum(sizes), np.arange(n) + 0.5), k - 1)
+    X = centers[lab] + 1.5 * rng.normal(size=(n, d)).astype(dtype)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    return X
+
+
+def bench_fit_small(repeats: int):
+    """eldr fit on N=1000, L=48, E=128, K=16, 20k pairs, all transforms."""
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.pipeline import run_fit
+    from eldr_cli.synth import synthetic_trace
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-fit-"))
+    trace = tmp / "trace"
+    write_trace(trace, synthetic_trace(1250, 48, 128, 8, seed=0))  # 80% calibration split = 1000
+    fit_s, stage_s = [], []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        run_fit(trace, tmp / f"fit{i}", decoders=16, pairs=20000, figures=False)
+        stage_s.append(time.perf_counter() - t0)
+        fit_s.append(json.loads((tmp / f"fit{i}" / "manifest.json").read_text())["metrics"]["fit_s"])
+    # the whole command, start-up and figures included
+    cmd_s = []
+    for i in range(max(1, repeats // 2)):
+        t0 = time.perf_counter()
+        subprocess.run([str(ROOT / ".venv/bin/eldr"), "fit", "--trace", str(trace), "--decoders", "16",
+                        "--out", str(tmp / f"cmd{i}")], check=True, capture_output=True)
+        cmd_s.append(time.perf_counter() - t0)
+    help_s = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        subprocess.run([str(ROOT / ".venv/bin/eldr"), "--help"], check=True, capture_output=True)
+        help_s.append(time.perf_counter() - t0)
+    lay = json.loads((tmp / "fit0" / "layers" / "manifest.json").read_text())["metrics"]
+    rt = json.loads((tmp / "fit0" / "routing" / "manifest.json").read_text())["metrics"]
+    return {
+        "n_signatures": 1000, "L": 48, "E": 128, "K": 16, "pairs": 20000,
+        "fit_median_s": statistics.median(stage_s), "fit_runs_s": stage_s,
+        "fit_compute_median_s": statistics.median(fit_s),
+        "command_median_s": statistics.median(cmd_s), "command_runs_s": cmd_s,
+        "startup_help_median_s": statistics.median(help_s),
+        "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
+        "cluster_sizes": rt["cluster_sizes"],
+        "note": "generated trace; fit_median_s = run_fit in-process without figures (reading the trace, "
+                "three stages, atomic artifact writes); command = `eldr fit` with figures, start-up included",
+    }
+
+
+def _child_large(n, d, k, max_iter, seed, out):
+    from eldr_cli.stages.cluster import BalancedKMeans
+
+    X = _clustered(n, d, k, seed, dtype=np.float32)
+    t0 = time.perf_counter()
+    km = BalancedKMeans(k, max_iter=max_iter, seed=seed).fit(X)
+    wall = time.perf_counter() - t0
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path(out).write_text(json.dumps({
+        "N": n, "d": d, "K": k, "wall_s": wall, "n_iter": km.n_iter_, "max_iter": max_iter,
+        "objective": km.objective_, "max_size": int(km.sizes_.max()), "capacity": km.capacity_,
+        "peak_rss_mib": peak_kib / 1024, "input_mib": X.nbytes / 2**20}))
+
+
+def bench_cluster_large(n, d, k, max_iter):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    subprocess.run([sys.executable, __file__, "--child-large", str(n), str(d), str(k), str(max_iter), out],
+                   check=True)
+    return json.loads(Path(out).read_text())
+
+
+def bench_peer(n, k, d, iters, seed=0):
+    """Ours vs k-means-constrained (size_max = ceil(N/K)) on the same data and iteration count."""
+    from k_means_constrained import KMeansConstrained
+
+    from eldr_cli.stages.cluster import BalancedKMeans
+
+    X = _clustered(n, d, k, seed)
+    cap = math.ceil(n / k)
+    rng = np.random.default_rng(seed)
+    init = X[rng.choice(n, size=k, replace=False)]
+
+    def cos_obj(labels):
+        C = np.zeros((k, d))
+        np.add.at(C, labels, X)
+        C /= np.maximum(np.linalg.norm(C, axis=1, keepdims=True), 1e-12)
+        return float((1 - (X * C[labels]).sum(axis=1)).sum())
+
+    t0 = time.perf_counter()
+    ours = BalancedKMeans(k, max_iter=iters, tol=0.0, seed=seed).fit(X, init=init.copy())
+    ours_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    peer = KMeansConstrained(n_clusters=k, size_max=cap, init=init.copy(), n_init=1, max_iter=iters, tol=0.0,
+                             random_state=seed, n_jobs=1).fit(X)
+    peer_s = time.perf_counter() - t0
+    return {
+        "N": n, "K": k, "d": d, "iterations": iters, "ours_s": ours_s, "peer_s": peer_s,
+        "speedup": peer_s / ours_s, "ours_iterations_run": ours.n_iter_,
+        "ours_objective": cos_obj(ours.labels_), "peer_objective": cos_obj(peer.labels_),
+        "ours_max_size": int(ours.sizes_.max()), "peer_max_size": int(np.bincount(peer.labels_).max()),
+        "capacity": cap,
+        "note": "same data, same initial centroids, same max_iter, tol=0; objective = total cosine distance of "
+                "each point to its cluster's normalized mean (peer minimizes Euclidean distance to the raw "
+                "mean on the same unit vectors)",
+    }
+
+
+def bench_decision(k=16, d=20 * 128, n=20000):
+    from eldr_cli.stages.routing import RoutingModel, locality_band
+
+    rng = np.random.default_rng(0)
+    C = rng.random((k, d))
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    S = rng.random((512, d))
+    S /= np.linalg.norm(S, axis=1, keepdims=True)
+    loads = rng.integers(0, 8, size=k)
+    times = []
+    for i in range(n):
+        s = S[i % 512]
+        t0 = time.perf_counter_ns()
+        locality_band(s, C, loads, 0.1)
+        times.append(time.perf_counter_ns() - t0)
+    # from handed-off counts [L, E] (transform, IDF, mask, normalize) to the decision
+    L, E = 48, 128
+    mask = np.sort(rng.choice(L, size=20, replace=False))
+    m = RoutingModel("count-idf", rng.random((L, E)), mask, C, tau=0.1)
+    counts = rng.integers(0, 20, size=(64, L, E))
+    full = []
+    for i in range(n // 4):
+        t0 = time.perf_counter_ns()
+        m.decide(counts[i % 64], loads)
+        full.append(time.perf_counter_ns() - t0)
+    return {"K": k, "d": d, "decision_median_us": statistics.median(times) / 1e3,
+            "decision_p99_us": float(np.percentile(times, 99)) / 1e3,
+            "counts_to_decision_median_us": statistics.median(full) / 1e3,
+            "counts_to_decision_p99_us": float(np.percentile(full, 99)) / 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results/fit.json")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--large-n", type=int, default=100_000)
+    ap.add_argument("--large-iter", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--child-large", nargs=5, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child_large:
+        n, d, k, it, out = a.child_large
+        _child_large(int(n), int(d), int(k), int(it), 0, out)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    res = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}}
+    con.print("[bold]bench-fit[/] (generated data)")
+    res["decision"] = bench_decision()
+    res["fit"] = bench_fit_small(2 if a.quick else a.repeats)
+    res["peer"] = bench_peer(2000 if a.quick else 10_000, 16, 256 if a.quick else 20 * 128, 10)
+    res["cluster_large"] = bench_cluster_large(5000 if a.quick else a.large_n, 48 * 128, 64, a.large_iter)
+
+    t = Table(title="bench-fit (generated data)")
+    for c in ("measure", "value", "target", "ok"):
+        t.add_column(c)
+    f, p, L, dcs = res["fit"], res["peer"], res["cluster_large"], res["decision"]
+    rows = [
+        ("eldr fit, N=1000 L=48 E=128 K=16, median (in-process)", f"{f['fit_median_s']:.2f} s", "<= 2 s",
+         f["fit_median_s"] <= 2),
+        ("  whole `eldr fit` command incl. start-up + figures", f"{f['command_median_s']:.2f} s", "", None),
+        ("  `eldr --help` start-up", f"{f['startup_help_median_s']:.2f} s", "", None),
+        (f"exact balanced K-means N={L['N']:,} d={L['d']} K={L['K']}", f"{L['wall_s']:.1f} s ({L['n_iter']} it)",
+         "<= 120 s", L["wall_s"] <= 120),
+        ("  peak RSS (input alone: %.0f MiB)" % L["input_mib"], f"{L['peak_rss_mib']:.0f} MiB", "", None),
+        (f"ours vs k-means-constrained N={p['N']:,} K=16, {p['iterations']} it", f"{p['ours_s']:.2f} s vs "
+         f"{p['peer_s']:.2f} s = {p['speedup']:.1f}x", "faster", p["speedup"] > 1),
+        ("  cosine objective ours / peer", f"{p['ours_objective']:.2f} / {p['peer_objective']:.2f}", "<=",
+         p["ours_objective"] <= p["peer_objective"] + 1e-6),
+        ("routing decision K=16 d=2560, median", f"{dcs['decision_median_us']:.1f} us", "<= 20 us",
+         dcs["decision_median_us"] <= 20),
+        ("  counts [48,128] -> signature -> decision, median", f"{dcs['counts_to_decision_median_us']:.1f} us",
+         "", None),
+    ]
+    for name, val, tgt, ok in rows:
+        t.add_row(name, val, tgt, "" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"))
+    con.print(t)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    con.print(f"figures written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
