@@ -387,8 +387,9 @@ def _plot_eval(path, sc, R, generated) -> None:
     plt = plots._plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
     names = {"contiguous": "contiguous", "global_eplb": "global EPLB", "per_decoder": "per-decoder"}
+    colors = {"contiguous": "tab:grey", "global_eplb": "tab:blue", "per_decoder": "tab:orange"}
     means = [sc[n].mean() for n in LAYOUTS]
-    a1.bar(list(names.values()), means, color=["tab:grey", "tab:blue", "tab:orange"])
+    a1.bar(list(names.values()), means, color=[colors[n] for n in LAYOUTS])
     a1.axhline(sc["lower_bound"].mean(), color="k", ls="--", lw=1, label="ceil(active / R)")
     for i, v in enumerate(means):
         a1.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
@@ -396,7 +397,7 @@ def _plot_eval(path, sc, R, generated) -> None:
     a1.legend(loc="lower right")
     for n in LAYOUTS:
         x = np.sort(sc[n] - sc["lower_bound"])
-        a2.plot(x, np.linspace(0, 1, len(x)), label=names[n])
+        a2.plot(x, np.linspace(0, 1, len(x)), label=names[n], color=colors[n])
     a2.set_xlabel("excess over ceil(active / R) per batch step")
     a2.set_ylabel("CDF")
     a2.legend()
