@@ -20,6 +20,7 @@ help:
 	@echo "make demo      set up .venv and run the whole pipeline on the embedded default"
 	@echo "make test      set up .venv and run the test suite"
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
+	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
 
 # -- environment ---------------------------------------------------------------------------
@@ -55,9 +56,25 @@ $(ART)/fit/layers/manifest.json: $(TRACE)/manifest.json $(ART)/fit/idf/manifest.
 $(ART)/fit/routing/manifest.json: $(TRACE)/manifest.json $(ART)/fit/layers/manifest.json | venv
 	$(ELDR) cluster --trace $(TRACE) --layers $(ART)/fit/layers --decoders $(DECODERS) --out $(ART)/fit/routing --seed $(SEED)
 
+# -- per-decoder expert placement for expert-parallel decoders (ELDR §5), after cluster ------
+EP_SIZE ?= 4
+BATCH ?= 8
+.PHONY: place place-eval bench-place
+place: $(ART)/placement/manifest.json
+place-eval: $(ART)/placement-eval/manifest.json
+
+$(ART)/placement/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json | venv
+	$(ELDR) place-experts --trace $(TRACE) --routing $(ART)/fit/routing --ep-size $(EP_SIZE) --batch-size $(BATCH) --out $(ART)/placement
+
+$(ART)/placement-eval/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json $(ART)/placement/manifest.json | venv
+	$(ELDR) place-experts evaluate --trace $(TRACE) --routing $(ART)/fit/routing --placement $(ART)/placement --batch-size $(BATCH) --out $(ART)/placement-eval
+
 # -- benchmarks -----------------------------------------------------------------------------
 bench-fit: venv
 	$(BIN)/python benchmarks/bench_fit.py --out bench-results/fit.json
+
+bench-place: venv
+	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json
 
 # -- demo -----------------------------------------------------------------------------------
 demo: venv
