@@ -47,14 +47,23 @@ test-fast: venv
 # -- the offline fit, chained through manifests ----------------------------------------------
 fit: $(ART)/fit/routing/manifest.json
 
+# parameter files change only when the parameters do, so a new K (or seed, pairs) redoes its stage
+$(ART)/fit/.params-%: FORCE
+	@mkdir -p $(@D); echo "$($*_PARAMS)" | cmp -s - $@ || echo "$($*_PARAMS)" > $@
+layers_PARAMS = $(PAIRS) $(SEED)
+cluster_PARAMS = $(DECODERS) $(SEED) $(TAU)
+TAU ?= 0.1
+.PHONY: FORCE
+FORCE:
+
 $(ART)/fit/idf/manifest.json: $(TRACE)/manifest.json | venv
 	$(ELDR) fit-idf --trace $(TRACE) --out $(ART)/fit/idf
 
-$(ART)/fit/layers/manifest.json: $(TRACE)/manifest.json $(ART)/fit/idf/manifest.json | venv
+$(ART)/fit/layers/manifest.json: $(TRACE)/manifest.json $(ART)/fit/idf/manifest.json $(ART)/fit/.params-layers | venv
 	$(ELDR) select-layers --trace $(TRACE) --idf $(ART)/fit/idf --out $(ART)/fit/layers --pairs $(PAIRS) --seed $(SEED)
 
-$(ART)/fit/routing/manifest.json: $(TRACE)/manifest.json $(ART)/fit/layers/manifest.json | venv
-	$(ELDR) cluster --trace $(TRACE) --layers $(ART)/fit/layers --decoders $(DECODERS) --out $(ART)/fit/routing --seed $(SEED)
+$(ART)/fit/routing/manifest.json: $(TRACE)/manifest.json $(ART)/fit/layers/manifest.json $(ART)/fit/.params-cluster | venv
+	$(ELDR) cluster --trace $(TRACE) --layers $(ART)/fit/layers --decoders $(DECODERS) --out $(ART)/fit/routing --seed $(SEED) --tau $(TAU)
 
 # -- per-decoder expert placement for expert-parallel decoders (ELDR §5), after cluster ------
 EP_SIZE ?= 4

@@ -107,7 +107,9 @@ class BalancedKMeans:
         self.seed = seed
 
     def _init(self, X: np.ndarray, rng) -> np.ndarray:
-        """k-means++ seeding on cosine distance."""
+        """k-means++ seeding on cosine distance (on a 20k-point sample when N is larger)."""
+        if X.shape[0] > 20000:
+            X = X[np.sort(rng.choice(X.shape[0], size=20000, replace=False))]
         N = X.shape[0]
         K = self.n_clusters
         idx = [int(rng.integers(N))]
