@@ -76,6 +76,7 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
         w.write_array("cumulative_rho", sel.cumulative_rho_)
         w.write_array("mask", sel.mask_)
         w.write_array("weights", sel.weights_)
+        w.write_array("idf", idf)
         w.metrics.update({"n_layers_kept": sel.n_layers_, "num_layers": trace.num_layers,
                           "rho_by_transform": sel.rho_by_transform_, "rho_peak": sel.rho_peak_,
                           "rho_all_layers": sel.rho_all_layers_, "n_requests": sel.n_requests_,
@@ -124,6 +125,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                                 "domain_share": share},
                         inputs={"trace": trace_path, "layers": layers_path}) as w:
         w.write_array("weights", weights)
+        w.write_array("idf", lay.array("idf"))
         w.write_array("mask", mask)
         w.write_array("centroids", km.centroids_)
         w.write_array("labels", labels)

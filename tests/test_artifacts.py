@@ -50,6 +50,7 @@ def test_failed_rewrite_keeps_the_old_artifact(tmp_path):
     out = tmp_path / "x"
     with ArtifactWriter(out, kind="idf", params={"transform": "count-idf"}) as w:
         w.write_array("idf", np.ones((2, 2)))
+        w.write_array("df", np.ones((2, 2), dtype=np.int32))
         w.metrics["n_requests"] = 1
     before = Artifact(out).content_hash
     with pytest.raises(RuntimeError):
@@ -78,6 +79,14 @@ def test_manifest_schema_rejects_bad_manifests(small_trace):
         validate_manifest(bad)
     with pytest.raises(EldrError, match="newer than this eldr supports"):
         validate_manifest(dict(m, schema_version=99))
+
+
+def test_schema_requires_the_kinds_arrays(tmp_path):
+    with pytest.raises(EldrError, match="df/zarr.json"):
+        with ArtifactWriter(tmp_path / "x", kind="idf", params={"transform": "count-idf"}) as w:
+            w.write_array("idf", np.ones((2, 2)))
+            w.metrics["n_requests"] = 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tampered_file_fails_verification(small_trace, tmp_path):
