@@ -72,10 +72,13 @@ BATCH ?= 8
 place: $(ART)/placement/manifest.json
 place-eval: $(ART)/placement-eval/manifest.json
 
-$(ART)/placement/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json | venv
+place_PARAMS = $(EP_SIZE) $(BATCH)
+placeeval_PARAMS = $(BATCH)
+
+$(ART)/placement/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json $(ART)/fit/.params-place | venv
 	$(ELDR) place-experts --trace $(TRACE) --routing $(ART)/fit/routing --ep-size $(EP_SIZE) --batch-size $(BATCH) --out $(ART)/placement
 
-$(ART)/placement-eval/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json $(ART)/placement/manifest.json | venv
+$(ART)/placement-eval/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json $(ART)/placement/manifest.json $(ART)/fit/.params-placeeval | venv
 	$(ELDR) place-experts evaluate --trace $(TRACE) --routing $(ART)/fit/routing --placement $(ART)/placement --batch-size $(BATCH) --out $(ART)/placement-eval
 
 # -- benchmarks -----------------------------------------------------------------------------

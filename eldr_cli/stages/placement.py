@@ -220,16 +220,19 @@ class PerDecoderPlacement:
         _, L, E = dc.shape
         check_ep_size(E, self.ep_size)
         K = int(n_decoders)
-        # per-cluster sums in one pass: [K, L, E] counts and [K] steps
+        # per-cluster sums [K, L, E] (exact integer sums) and [K] decode steps
         ok = labels >= 0
-        onehot = np.zeros((K, int(ok.sum())))
-        onehot[labels[ok], np.arange(onehot.shape[1])] = 1.0
-        cnt = onehot @ dc[ok].reshape(-1, L * E).astype(np.float64)
+        cnt = np.zeros((K, L, E), dtype=np.int64)
+        for k in np.unique(labels[ok]):
+            cnt[k] = dc[labels == k].sum(axis=0, dtype=np.int64)
         stp = np.bincount(labels[ok], weights=steps[ok], minlength=K)
-        glob = decode_activation(dc[ok], steps[ok], self.batch_size)
+        # all traffic (the fallback for a decoder without calibration requests)
+        glob = np.clip(cnt.sum(axis=0) / max(float(stp.sum()), 1.0), 0.0, 1.0)
+        if self.batch_size is not None:
+            glob = 1.0 - (1.0 - glob) ** int(self.batch_size)
         act = np.empty((K, L, E))
         empty = stp <= 0
-        p = np.clip(cnt.reshape(K, L, E) / np.where(empty, 1.0, stp)[:, None, None], 0.0, 1.0)
+        p = np.clip(cnt / np.where(empty, 1.0, stp)[:, None, None], 0.0, 1.0)
         if self.batch_size is not None:
             p = 1.0 - (1.0 - p) ** int(self.batch_size)
         act[:] = p
