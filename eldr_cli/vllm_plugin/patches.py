@@ -1,0 +1,94 @@
+"""The three attachment points of the plugin into vLLM (installed by ``register()``)."""
+
+from __future__ import annotations
+
+import functools
+
+from eldr_cli.vllm_plugin.capture import STATE, _log
+
+_installed = False
+_no_connector_warned = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _patch_model_loader()
+    _patch_connector_factory()
+
+
+def _patch_model_loader() -> None:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    orig = BaseModelLoader.load_model
+    if getattr(orig, "_eldr", False):
+        return
+
+    @functools.wraps(orig)
+    def load_model(self, vllm_config, model_config, *args, **kwargs):
+        model = orig(self, vllm_config, model_config, *args, **kwargs)
+        # Only the target model (not a speculative drafter, loaded later with its own config).
+        if not STATE.bound and STATE.disabled is None and model_config is vllm_config.model_config:
+            if vllm_config.kv_transfer_config is None:
+                _warn_no_connector()
+            else:
+                STATE.bind_model(model)
+        return model
+
+    load_model._eldr = True
+    BaseModelLoader.load_model = load_model
+
+
+def _warn_no_connector() -> None:
+    global _no_connector_warned
+    if not _no_connector_warned:
+        _no_connector_warned = True
+        _log().warning(
+            "eldr signatures OFF: ELDR_SIGNATURES=1 but no --kv-transfer-config; signatures ride in "
+            "kv_transfer_params of a prefill worker's KV connector (e.g. NixlConnector, ExampleConnector, "
+            "or eldr_cli.vllm_plugin.connector:EldrSignatureConnector alone); serving without signatures")
+
+
+def _patch_connector_factory() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    orig = KVConnectorFactory.create_connector.__func__
+    if getattr(orig, "_eldr", False):
+        return
+
+    def create_connector(cls, config, role, kv_cache_config):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from eldr_cli.vllm_plugin.connector import EldrSignatureConnector, wrap
+
+        conn = orig(cls, config, role, kv_cache_config)
+        if not isinstance(conn, EldrSignatureConnector):
+            conn = wrap(conn, config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            _patch_scheduler()
+        return conn
+
+    create_connector._eldr = True
+    KVConnectorFactory.create_connector = classmethod(create_connector)
+
+
+def _patch_scheduler() -> None:
+    """Feed the step's signatures to the wrapper before the scheduler finishes requests."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    orig = Scheduler.update_from_output
+    if getattr(orig, "_eldr", False):
+        return
+
+    @functools.wraps(orig)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        kco = getattr(model_runner_output, "kv_connector_output", None)
+        conn = getattr(self, "connector", None)
+        if kco is not None and hasattr(conn, "ingest"):
+            conn.ingest(kco)
+        return orig(self, scheduler_output, model_runner_output)
+
+    update_from_output._eldr = True
+    Scheduler.update_from_output = update_from_output
