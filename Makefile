@@ -88,6 +88,10 @@ bench-fit: venv
 bench-place: venv
 	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json
 
+.PHONY: bench-proxy
+bench-proxy: venv
+	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
+
 # -- demo -----------------------------------------------------------------------------------
 demo: venv
 	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo

@@ -57,7 +57,12 @@ class StubWorker:
                  token_delay_s: float = 0.0, timeout_sleep_s: float = 30.0, record: int = 256):
         self.name = name
         self.shape = tuple(shape)
-        self.counts_fn = counts_fn or (lambda text: fake_counts(text, self.shape))
+        if counts_fn is None:
+            import functools
+
+            counts_fn = functools.lru_cache(maxsize=4096)(lambda text: fake_counts(text, self.shape))
+        self.counts_fn = counts_fn
+        self._encoded: dict[str, dict] = {}
         self.signature = signature
         self.token_delay_s = token_delay_s
         self.timeout_sleep_s = timeout_sleep_s
@@ -124,7 +129,12 @@ class StubWorker:
         ktp = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.name,
                "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1", "remote_port": 5600}
         if self.signature and fault != "prefill_nosig":
-            ktp[SIGNATURE_KEY] = encode_counts(self.counts_fn(text))
+            enc = self._encoded.get(text)
+            if enc is None:
+                enc = encode_counts(self.counts_fn(text))
+                if len(self._encoded) < 4096:
+                    self._encoded[text] = enc
+            ktp[SIGNATURE_KEY] = dict(enc)
         if fault == "prefill_badsig":
             ktp[SIGNATURE_KEY] = {"v": 1, "shape": [2, 2], "dtype": "u1", "encoding": "zlib+b64", "data": "!!"}
         n_prompt = len(text.split())

@@ -1,0 +1,547 @@
+"""make bench-proxy: the serve-proxy's speed and robustness, with the Rust `vllm-router` as the peer.
+
+1. Routing decision (K=16, d = 20 kept layers x 128 experts): median of the shared band decision
+   (EldrPolicy.choose -> locality_band) and of the whole handoff (decode the eldr_signature, apply
+   the artifact's transform, decide).
+2. Added latency against STUB workers that answer at once (eldr_cli.proxy.stub_worker, 2 prefill +
+   2 decode, one separate process): open-loop Poisson load from a separate load-generator process;
+   "direct" = the load generator runs the same PD exchange (prefill leg, then decode leg) against
+   the stubs itself; added = proxy percentile - direct percentile at the same rate. Rows for
+   eldr serve-proxy (policy eldr) and vllm-router (--vllm-pd-disaggregation, default policies) at
+   200 req/s, and a rate sweep for the highest rate with p99 added < 50 ms (no errors, >= 95% of the
+   offered rate completed).
+3. Soak: 10,000 requests through `eldr serve-proxy` with injected faults (prefill errors and
+   timeouts, decode errors, dropped streams, missing signatures, client disconnects): requests
+   without a terminal outcome, in-flight counters after, RSS before/after.
+
+Everything binds 127.0.0.1. All workers are stubs: these are proxy-overhead figures, not model
+serving figures. Prints a table, writes bench-results/proxy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BIN = Path(PY).parent
+SHAPE = (48, 128)  # the stub's fake prompt counts [L, E]; the routing artifact matches it
+PD_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+# ------------------------------------------------------------------------------------------ 1
+def bench_decision(n: int = 20000) -> dict:
+    from eldr_cli.handoff import decode_counts, encode_counts, pop_signature
+    from eldr_cli.stages.routing import RoutingModel, make_policy
+
+    rng = np.random.default_rng(0)
+    L, E, K = 48, 128, 16
+    mask = np.arange(0, 40, 2)  # 20 kept layers -> d = 20 * 128
+    cent = rng.random((K, len(mask) * E))
+    cent /= np.linalg.norm(cent, axis=1, keepdims=True)
+    model = RoutingModel("count-idf", rng.random((L, E)) + 0.1, mask, cent, tau=0.1)
+    policy = make_policy("eldr", K, model=model)
+    reqs = []
+    for _ in range(256):
+        p = rng.dirichlet(np.full(E, 0.3), size=L)
+        counts = np.stack([rng.multinomial(300 * 8, p[l]) for l in range(L)])
+        reqs.append((counts, encode_counts(counts)))
+    loads = [int(x) for x in rng.integers(0, 20, K)]
+    sigs = [model.signature(c) for c, _ in reqs]
+    choose_ns, handoff_ns = [], []
+    pc = time.perf_counter_ns
+    for i in range(n):
+        s = sigs[i % 256]
+        t0 = pc()
+        policy.choose(loads, signature=s)
+        choose_ns.append(pc() - t0)
+    for i in range(n // 4):
+        ktp = {"eldr_signature": reqs[i % 256][1], "remote_engine_id": "x"}
+        t0 = pc()
+        enc = pop_signature(ktp)
+        policy.choose(loads, signature=model.signature(decode_counts(enc)))
+        handoff_ns.append(pc() - t0)
+    return {"K": K, "d": int(cent.shape[1]), "n": n,
+            "decision_median_us": float(np.median(choose_ns) / 1e3),
+            "decision_p99_us": float(np.percentile(choose_ns, 99) / 1e3),
+            "handoff_median_us": float(np.median(handoff_ns) / 1e3),
+            "handoff_p99_us": float(np.percentile(handoff_ns, 99) / 1e3),
+            "signature_bytes_json": len(json.dumps(reqs[0][1]))}
+
+
+# ------------------------------------------------------------------------------- load generator
+async def _loadgen(args) -> dict:
+    """Open-loop Poisson arrivals (or closed-loop soak). Runs in its own process."""
+    import aiohttp
+
+    rng = random.Random(args.seed)
+    prompts = [f"prompt {i}: " + " ".join(f"word{(i * 31 + j) % 97}" for j in range(40)) for i in range(64)]
+    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    timeout = aiohttp.ClientTimeout(total=30)
+    lat, errors, statuses = [], 0, {}
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+        async def one_direct(body):
+            pre = dict(body, stream=False, max_tokens=1, kv_transfer_params=PD_KTP)
+            async with s.post(args.prefill + "/v1/completions", json=pre) as r:
+                ans = await r.json()
+            ktp = ans.get("kv_transfer_params")
+            if isinstance(ktp, dict):
+                ktp.pop("eldr_signature", None)
+            async with s.post(args.decode + "/v1/completions", json=dict(body, kv_transfer_params=ktp)) as r:
+                await r.read()
+                return r.status
+
+        async def one_proxy(body):
+            async with s.post(args.url + "/v1/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        fn = one_direct if args.mode == "direct" else one_proxy
+
+        async def timed(body):
+            nonlocal errors
+            t0 = time.perf_counter()
+            try:
+                st = await fn(body)
+            except Exception as e:  # count, keep going
+                st = type(e).__name__
+            dt = time.perf_counter() - t0
+            statuses[str(st)] = statuses.get(str(st), 0) + 1
+            if st == 200:
+                lat.append(dt)
+            else:
+                errors += 1
+
+        # warm-up: open connections, fill caches
+        await asyncio.gather(*(timed({"model": "m", "prompt": prompts[i % 64], "max_tokens": 8})
+                               for i in range(64)))
+        lat.clear()
+        statuses.clear()
+        errors = 0
+        tasks = []
+        t_start = time.perf_counter()
+        t_next = t_start
+        n = int(args.rate * args.duration)
+        for i in range(n):
+            t_next += rng.expovariate(args.rate)
+            delay = t_next - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(timed({"model": "m", "prompt": prompts[i % 64], "max_tokens": 8})))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t_start
+    return {"n": n, "ok": len(lat), "errors": errors, "statuses": statuses, "wall_s": wall,
+            "achieved_rps": len(lat) / wall, "lat_s": lat}
+
+
+async def _soak(args) -> dict:
+    """Closed-loop soak with faults; returns per-kind client-side counts."""
+    import aiohttp
+
+    rng = random.Random(args.seed)
+    kinds = [("ok", 0.80), ("prefill_500", 0.03), ("prefill_timeout", 0.01), ("decode_500", 0.03),
+             ("decode_drop", 0.05), ("prefill_nosig", 0.02), ("disconnect", 0.06)]
+    names = [k for k, _ in kinds]
+    weights = [w for _, w in kinds]
+    counts = {k: 0 for k in names}
+    client = {"http_200": 0, "http_error": 0, "stream_error_event": 0, "disconnected": 0, "exceptions": 0}
+    sent = 0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def one(i):
+            nonlocal sent
+            kind = rng.choices(names, weights)[0]
+            counts[kind] += 1
+            stream = kind in ("decode_drop", "disconnect") or rng.random() < 0.5
+            marker = f"[[fault:{kind}]] " if kind not in ("ok", "disconnect") else ""
+            body = {"model": "m", "prompt": f"{marker}soak request {i % 500}", "max_tokens": 16, "stream": stream}
+            sent += 1
+            try:
+                async with s.post(args.url + "/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        await r.read()
+                        client["http_error"] += 1
+                        return
+                    if kind == "disconnect":
+                        await r.content.readany()
+                        r.close()  # the client goes away mid-stream
+                        client["disconnected"] += 1
+                        return
+                    data = await r.read()
+                    if stream and b'"error"' in data:
+                        client["stream_error_event"] += 1
+                    else:
+                        client["http_200"] += 1
+            except Exception:
+                client["exceptions"] += 1
+
+        q = asyncio.Queue()
+        for i in range(args.n):
+            q.put_nowait(i)
+
+        async def worker():
+            while not q.empty():
+                await one(q.get_nowait())
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+    return {"sent": sent, "kinds": counts, "client": client, "wall_s": wall}
+
+
+def loadgen_main(args):
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    out = run(_soak(args) if args.mode == "soak" else _loadgen(args))
+    Path(args.out).write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------ orchestration
+def _free_ports(n):
+    import socket
+
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _spawn(cmd, log, env=None):
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, **(env or {})), cwd=ROOT)
+
+
+def _stop(p):
+    if p is None or p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_http(url, timeout=60):
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _run_loadgen(tmp, mode, rate, duration, **kw):
+    out = tmp / f"lg-{mode}-{rate}-{time.monotonic_ns()}.json"
+    cmd = [PY, str(Path(__file__).resolve()), "--loadgen", "--mode", mode, "--rate", str(rate),
+           "--duration", str(duration), "--out", str(out)]
+    for k, v in kw.items():
+        cmd += [f"--{k}", str(v)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q) * 1e3) if xs else float("nan")
+
+
+def _row(res, base):
+    lat = res["lat_s"]
+    r = {"ok": res["ok"], "errors": res["errors"], "achieved_rps": round(res["achieved_rps"], 1),
+         "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99)}
+    if base is not None:
+        r["added_p50_ms"] = r["p50_ms"] - _pct(base["lat_s"], 50)
+        r["added_p99_ms"] = r["p99_ms"] - _pct(base["lat_s"], 99)
+    return r
+
+
+def _rss_mb(pid):
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def _cpu_s(pid):
+    """User + system CPU seconds of a process and its children (threads included)."""
+    import psutil
+
+    p = psutil.Process(pid)
+    t = p.cpu_times()
+    total = t.user + t.system
+    for c in p.children(recursive=True):
+        try:
+            ct = c.cpu_times()
+            total += ct.user + ct.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _metrics(url):
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"([^{ ]+)(\{[^}]*\})? (\S+)", line)
+        if m:
+            out.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results/proxy.json")
+    ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="proxy")
+    ap.add_argument("--url", default="")
+    ap.add_argument("--prefill", default="")
+    ap.add_argument("--decode", default="")
+    ap.add_argument("--rate", type=float, default=200)
+    ap.add_argument("--duration", type=float, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--main-duration", type=float, default=15.0)
+    ap.add_argument("--sweep-duration", type=float, default=6.0)
+    ap.add_argument("--sweep", default="300,500,700,1000,1400,2000")
+    ap.add_argument("--soak-n", type=int, default=10000)
+    ap.add_argument("--skip-peer", action="store_true")
+    args = ap.parse_args()
+    if args.loadgen:
+        return loadgen_main(args)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform(), "loadavg_start": list(os.getloadavg())},
+              "note": "stub workers (answer at once), all processes on one machine incl. load generator"}
+    console.print("[bold]1. routing decision[/] (K=16, d=20x128)")
+    result["decision"] = dec = bench_decision()
+    console.print(f"  band decision median {dec['decision_median_us']:.2f} us, whole handoff "
+                  f"{dec['handoff_median_us']:.2f} us")
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.pipeline import run_fit
+    from eldr_cli.synth import synthetic_trace
+
+    write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
+    routing = run_fit(tmp / "trace", tmp / "fit", decoders=2, pairs=2000, figures=False)
+    ports = _free_ports(6)
+    pre = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    dec_urls = [f"http://127.0.0.1:{p}" for p in ports[2:4]]
+    ours_url, peer_url = f"http://127.0.0.1:{ports[4]}", f"http://127.0.0.1:{ports[5]}"
+    stubs = ours = peer = None
+    procs = []
+    try:
+        stubs = _spawn([PY, "-m", "eldr_cli.proxy.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
+                        "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2"],
+                       tmp / "stubs.log")
+        procs.append(stubs)
+        for u in pre + dec_urls:
+            _wait_http(u + "/health")
+        ours = _spawn([str(BIN / "eldr"), "serve-proxy", "--routing", str(routing),
+                       *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec_urls), []),
+                       "--policy", "eldr", "--port", str(ports[4]), "--log-level", "warning"], tmp / "ours.log")
+        procs.append(ours)
+        _wait_http(ours_url + "/health")
+        if not args.skip_peer:
+            peer = _spawn([str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
+                           *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec_urls), []),
+                           "--host", "127.0.0.1", "--port", str(ports[5]), "--log-level", "warning",
+                           "--max-concurrent-requests", "8192", "--queue-size", "8192"], tmp / "peer.log")
+            procs.append(peer)
+            _wait_http(peer_url + "/health", timeout=90)
+        direct_kw = {"prefill": pre[0], "decode": dec_urls[0]}
+
+        def through(proc, url, rate, duration, base):
+            c0 = _cpu_s(proc.pid)
+            res = _run_loadgen(tmp, "proxy", rate, duration, url=url)
+            row = _row(res, base)
+            # router CPU per request: less sensitive to other load on the machine than latency
+            row["cpu_us_per_request"] = (_cpu_s(proc.pid) - c0) / max(1, res["ok"] + res["errors"] + 64) * 1e6
+            return row
+
+        def measure(rate, duration):
+            base = _run_loadgen(tmp, "direct", rate, duration, **direct_kw)
+            rows = {"direct": _row(base, None), "eldr": through(ours, ours_url, rate, duration, base)}
+            if peer is not None:
+                rows["vllm-router"] = through(peer, peer_url, rate, duration, base)
+            return rows
+
+        main_rows = measure(200, args.main_duration)
+        result["latency_200rps"] = main_rows
+        sweep = {}
+        best = {"eldr": None, "vllm-router": None}
+        alive = {"eldr": True, "vllm-router": peer is not None}
+        for rate in [float(x) for x in args.sweep.split(",")]:
+            if not any(alive.values()):
+                break
+            rows = measure(rate, args.sweep_duration)
+            sweep[str(int(rate))] = rows
+            for name in ("eldr", "vllm-router"):
+                r = rows.get(name)
+                if r is None or not alive[name]:
+                    continue
+                ok = (r["errors"] == 0 and r["added_p99_ms"] < 50 and r["achieved_rps"] >= 0.95 * rate)
+                if ok:
+                    best[name] = rate
+                else:
+                    alive[name] = False
+            console.print(f"  {int(rate)} req/s: " + ", ".join(
+                f"{k} p99+{v['added_p99_ms']:.1f}ms ok={v['ok']} err={v['errors']}" for k, v in rows.items()
+                if "added_p99_ms" in v))
+        result["sweep"] = sweep
+        result["max_rate_p99_added_below_50ms"] = best
+        for p in (peer,):
+            _stop(p)
+
+        # 3. soak against our proxy (fresh process with short prefill timeout, from a config file);
+        # stubs restarted with a 2 ms token delay so that client disconnects land mid-stream
+        _stop(ours)
+        _stop(stubs)
+        stubs = _spawn([PY, "-m", "eldr_cli.proxy.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
+                        "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
+                        "--token-delay-s", "0.002"], tmp / "stubs-soak.log")
+        procs.append(stubs)
+        for u in pre + dec_urls:
+            _wait_http(u + "/health")
+        cfg = tmp / "soak.toml"
+        cfg.write_text("\n".join([f'routing = "{routing}"', f"prefill = {json.dumps(pre)}",
+                                  f"decode = {json.dumps(dec_urls)}", 'policy = "eldr"', f"port = {ports[4]}",
+                                  "prefill_timeout_s = 0.3", 'log_level = "error"']) + "\n")
+        ours = _spawn([str(BIN / "eldr"), "serve-proxy", "--config", str(cfg)], tmp / "ours-soak.log")
+        procs.append(ours)
+        _wait_http(ours_url + "/health")
+        console.print(f"[bold]3. soak[/]: {args.soak_n} requests with injected faults")
+        # warm-up, then RSS "before"
+        out = tmp / "soak-warm.json"
+        subprocess.run([PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", ours_url,
+                        "--n", "1000", "--seed", "1", "--out", str(out)], check=True, cwd=ROOT)
+        time.sleep(1.5)
+        rss0 = _rss_mb(ours.pid)
+        m0 = _metrics(ours_url)
+        out = tmp / "soak.json"
+        subprocess.run([PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", ours_url,
+                        "--n", str(args.soak_n), "--concurrency", str(args.concurrency), "--out", str(out)],
+                       check=True, cwd=ROOT)
+        soak = json.loads(out.read_text())
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:  # timeouts and cancellations settle
+            m1 = _metrics(ours_url)
+            if m1["eldr_proxy_requests_in_progress"][0][1] == 0:
+                break
+            time.sleep(0.2)
+        rss1 = _rss_mb(ours.pid)
+        done0 = sum(v for _, v in m0.get("eldr_proxy_requests_total", []))
+        done1 = sum(v for _, v in m1.get("eldr_proxy_requests_total", []))
+        outcomes = {}
+        for lab, v in m1.get("eldr_proxy_requests_total", []):
+            o = re.search(r'outcome="([^"]+)"', lab).group(1)
+            outcomes[o] = outcomes.get(o, 0) + v
+        for lab, v in m0.get("eldr_proxy_requests_total", []):
+            o = re.search(r'outcome="([^"]+)"', lab).group(1)
+            outcomes[o] -= v
+        result["soak"] = {
+            "requests": soak["sent"], "injected": soak["kinds"], "client_view": soak["client"],
+            "wall_s": round(soak["wall_s"], 2),
+            "terminal_outcomes": int(done1 - done0), "outcomes": {k: int(v) for k, v in outcomes.items()},
+            "without_terminal_outcome": int(soak["sent"] - (done1 - done0)),
+            "in_progress_after": m1["eldr_proxy_requests_in_progress"][0][1],
+            "inflight_after": sum(v for _, v in m1.get("eldr_proxy_inflight", [])),
+            "rss_before_mb": round(rss0, 1), "rss_after_mb": round(rss1, 1), "rss_delta_mb": round(rss1 - rss0, 1),
+            "retries": sum(v for _, v in m1.get("eldr_proxy_retries_total", [])),
+            "signature_missing": sum(v for _, v in m1.get("eldr_proxy_signature_missing_total", [])),
+        }
+    finally:
+        for p in procs:
+            _stop(p)
+
+    # -- report -------------------------------------------------------------------------------
+    t = Table(title="eldr serve-proxy vs vllm-router (stub workers, same load; latencies in ms)")
+    for c in ("rate", "router", "ok", "err", "p50", "p99", "added p50", "added p99", "cpu us/req"):
+        t.add_column(c, justify="right")
+    for rate, rows in [("200", result["latency_200rps"]), *result["sweep"].items()]:
+        for name, r in rows.items():
+            t.add_row(rate, name, str(r["ok"]), str(r["errors"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                      f"{r.get('added_p50_ms', 0):.2f}" if name != "direct" else "-",
+                      f"{r.get('added_p99_ms', 0):.2f}" if name != "direct" else "-",
+                      f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-")
+    console.print(t)
+    r200 = result["latency_200rps"]
+    summary = {
+        "decision_median_us": dec["decision_median_us"], "decision_target_us": 20,
+        "handoff_median_us": dec["handoff_median_us"],
+        "eldr_added_p50_ms_at_200": r200["eldr"]["added_p50_ms"], "added_p50_target_ms": 1.0,
+        "eldr_added_p99_ms_at_200": r200["eldr"]["added_p99_ms"],
+        "eldr_max_rate": result["max_rate_p99_added_below_50ms"]["eldr"],
+        "eldr_cpu_us_per_request": r200["eldr"]["cpu_us_per_request"],
+    }
+    if "vllm-router" in r200:
+        summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
+        summary["ratio_added_p50_eldr_over_vllm_router"] = (
+            r200["eldr"]["added_p50_ms"] / r200["vllm-router"]["added_p50_ms"]
+            if r200["vllm-router"]["added_p50_ms"] > 0 else None)
+        summary["vllm_router_max_rate"] = result["max_rate_p99_added_below_50ms"]["vllm-router"]
+        summary["vllm_router_cpu_us_per_request"] = r200["vllm-router"]["cpu_us_per_request"]
+        summary["ratio_cpu_eldr_over_vllm_router"] = (r200["eldr"]["cpu_us_per_request"]
+                                                      / r200["vllm-router"]["cpu_us_per_request"])
+        if summary["vllm_router_max_rate"] and summary["eldr_max_rate"]:
+            summary["ratio_max_rate_eldr_over_vllm_router"] = summary["eldr_max_rate"] / summary["vllm_router_max_rate"]
+    result["summary"] = summary
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    s = result["soak"]
+    t2 = Table(title="summary")
+    t2.add_column("figure")
+    t2.add_column("value", justify="right")
+    for k, v in summary.items():
+        t2.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    for k in ("requests", "terminal_outcomes", "without_terminal_outcome", "in_progress_after", "inflight_after",
+              "rss_before_mb", "rss_after_mb", "rss_delta_mb", "retries", "signature_missing", "wall_s"):
+        t2.add_row(f"soak {k}", str(s[k]))
+    t2.add_row("soak outcomes", json.dumps(s["outcomes"]))
+    console.print(t2)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
