@@ -147,10 +147,8 @@ def bench_tiny(work: Path) -> dict:
         prompts = Path("/work/shared/data/prompts/task.jsonl")
     cmd = [str(ROOT / ".venv/bin/eldr"), "capture", "--model", str(model), "--prompts", str(prompts),
            "--out", str(work / "tiny-trace")]
-    extra = os.environ.get("BENCH_PLACE_CAPTURE_ARGS", "--limit 300 --max-tokens 32").split()
+    extra = os.environ.get("BENCH_PLACE_CAPTURE_ARGS", "--sample 300 --max-new-tokens 32 --no-progress").split()
     p = subprocess.run(cmd + extra, capture_output=True, text=True)
-    if p.returncode != 0:
-        p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"skipped": f"`eldr capture` failed: {p.stderr.strip()[-400:]}"}
     from eldr_cli.artifacts.trace import read_trace
@@ -208,7 +206,7 @@ def main(argv=None):
                     "evaluation split through the routing policy")
     for c in ("trace", "routing", "R", "B", "repl.", "contiguous", "global EPLB", "per-decoder", "ceil(act/R)",
               "per-dec gap to bound", "per-dec vs contig", "per-dec vs EPLB"):
-        t.add_column(c, justify="left" if c == "trace" else "right")
+        t.add_column(c, justify="left" if c == "trace" else "right", no_wrap=c == "trace")
     for r in rows:
         mm = r["mean_max_active_per_rank"]
         t.add_row(r["trace"], r["policy"], str(r["ep_size"]), str(r["batch_size"]), str(r["redundant_experts"]),
