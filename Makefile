@@ -28,7 +28,7 @@ venv: $(STAMP)
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
 	@# torchvision/torchaudio/torchcodec do not import beside torch 2.13.0+cpu (see BRIEF.md)
 	-@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	@rm -f $(VENV)/.installed-*; touch $@
