@@ -12,6 +12,7 @@ from eldr_cli.stages.signature import (
     _rank,
     apply_transform,
     decode_pattern,
+    l2_normalize,
     pair_cosine_distance,
     sample_pairs,
     spearman_to_target,
@@ -64,20 +65,20 @@ class LayerSelector:
                                 "trace, which this trace lacks")
             candidates = [self.transform]
         self.rho_by_transform_ = {}
-        caches = {}
+        xs = {}
         for name in candidates:
             src = gates[name] if name.startswith("gate") else pc
             x = apply_transform(np.asarray(src)[idx], name, idf)
-            cache = PairLayerCache(x, self.pairs_)
-            caches[name] = cache
-            d = cache.distance(cache.dots.sum(0), cache.ni.sum(0), cache.nj.sum(0))
+            xs[name] = x
+            # all layers: one flat signature per request, so pair dots need no per-layer split
+            d = pair_cosine_distance(l2_normalize(x.reshape(x.shape[0], -1)), self.pairs_)
             self.rho_by_transform_[name] = float(spearman_to_target(d, t)[0])
         if self.transform == "auto":
             servable = {k: v for k, v in self.rho_by_transform_.items() if k in SERVABLE_TRANSFORMS}
             self.transform_ = max(servable, key=servable.get)
         else:
             self.transform_ = self.transform
-        self.order_, self.cumulative_rho_ = self._greedy(caches[self.transform_], t)
+        self.order_, self.cumulative_rho_ = self._greedy(PairLayerCache(xs[self.transform_], self.pairs_), t)
         self.n_layers_ = int(np.argmax(self.cumulative_rho_)) + 1
         self.mask_ = np.sort(self.order_[: self.n_layers_]).astype(np.int32)
         self.weights_ = np.asarray(idf, dtype=np.float64) if self.transform_ == "count-idf" else np.ones((L, E))
