@@ -1,0 +1,249 @@
+"""The load generator of `eldr bench serve`: an asyncio client (aiohttp, one connection pool) that sends
+a schedule's requests to an OpenAI-compatible `/v1/completions` endpoint, streams the answers and times
+every token.
+
+Timing honesty: a dispatcher coroutine sleeps until each request's scheduled offset and starts it as
+a task; the gap between the scheduled and the actual start is the request's *scheduling lag*
+(recorded per request and summarized as ``median_schedule_lag_ms``). Sleeps aim slightly early and
+spin the last ~1 ms so the timer granularity of the event loop does not become lag. Token times are
+taken when a chunk is read off the socket; the SSE parsing is kept minimal (orjson on each event).
+uvloop runs the loop when available.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from eldr_cli.bench.workload import PromptItem, Schedule
+from eldr_cli.errors import EldrError
+
+DOMAIN_HEADER = "X-Eldr-Domain"
+
+
+@dataclass
+class ClientConfig:
+    url: str
+    model: str | None = None
+    max_tokens: int = 512
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    domain_header: bool = False
+    api_key: str | None = None
+    endpoint: str = "/v1/completions"
+    extra_body: dict = field(default_factory=dict)
+
+
+@dataclass
+class LiveStats:
+    """What the live view shows while a run is in flight."""
+
+    router: str = ""
+    rate: float = 0.0
+    scheduled: int = 0
+    sent: int = 0
+    done: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    tokens: int = 0
+    started: float = 0.0
+    horizon_s: float = 0.0
+    lag_ms: list = field(default_factory=list)
+    last_tpot_ms: list = field(default_factory=list)
+
+
+def base_url(url: str) -> str:
+    u = url.rstrip("/")
+    for suffix in ("/v1/completions", "/v1/chat/completions", "/v1"):
+        if u.endswith(suffix):
+            return u[: -len(suffix)]
+    return u
+
+
+async def probe(session, cfg: ClientConfig) -> str:
+    """Check the endpoint answers and return the model name to send (``--model`` or the first served)."""
+    import aiohttp
+
+    url = base_url(cfg.url)
+    try:
+        async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=cfg.connect_timeout_s)) as r:
+            if r.status == 200:
+                data = await r.json(content_type=None)
+                models = [m.get("id") for m in (data or {}).get("data", []) if isinstance(m, dict)]
+                if cfg.model:
+                    return cfg.model
+                if models:
+                    return models[0]
+            elif cfg.model:
+                return cfg.model
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise EldrError(f"cannot reach {url}: {type(e).__name__}: {e}",
+                        hint="start the server (or the proxy) first and check --url") from None
+    if cfg.model:
+        return cfg.model
+    raise EldrError(f"{url}/v1/models did not list a model; pass --model")
+
+
+async def _one(session, cfg: ClientConfig, model: str, item: PromptItem, rid: int, sched_t: float, t_zero: float,
+               rec: dict, stats: LiveStats) -> None:
+    import aiohttp
+
+    body = {"model": model, "prompt": item.prompt, "max_tokens": cfg.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0, **cfg.extra_body}
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    headers = {"Content-Type": "application/json"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    if cfg.domain_header and item.domain:
+        headers[DOMAIN_HEADER] = str(item.domain)
+    t_send = time.perf_counter()
+    rec["sent_s"] = t_send - t_zero
+    rec["lag_ms"] = (t_send - (t_zero + sched_t)) * 1e3
+    stats.lag_ms.append(rec["lag_ms"])
+    token_times: list[float] = []
+    usage = None
+    finished = False
+    outcome, error = "ok", None
+    try:
+        async with session.post(base_url(cfg.url) + cfg.endpoint, data=orjson.dumps(body), headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s,
+                                                              sock_connect=cfg.connect_timeout_s)) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                outcome, error = "http_error", f"HTTP {resp.status}: {text}"
+            else:
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    now = time.perf_counter()
+                    buf += chunk
+                    while b"\n\n" in buf:
+                        ev, buf = buf.split(b"\n\n", 1)
+                        ev = ev.strip()
+                        if not ev.startswith(b"data:"):
+                            continue
+                        payload = ev[5:].strip()
+                        if payload == b"[DONE]":
+                            finished = True
+                            continue
+                        try:
+                            obj = orjson.loads(payload)
+                        except orjson.JSONDecodeError:
+                            outcome, error = "error", f"malformed SSE event: {payload[:80]!r}"
+                            continue
+                        if obj.get("error"):
+                            outcome, error = "error", str(obj["error"])[:300]
+                            continue
+                        ch = obj.get("choices") or []
+                        if ch:
+                            c0 = ch[0]
+                            txt = c0.get("text")
+                            if txt is None:
+                                txt = (c0.get("delta") or {}).get("content")
+                            if txt:
+                                token_times.append(now)
+                                stats.tokens += 1
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+                if outcome == "ok" and not finished:
+                    outcome, error = "incomplete", "stream ended without [DONE]"
+    except asyncio.TimeoutError:
+        outcome, error = "timeout", f"no complete answer within {cfg.timeout_s:g} s"
+    except aiohttp.ClientConnectorError as e:
+        outcome, error = "connect_error", str(e)[:300]
+    except (aiohttp.ClientError, OSError) as e:
+        outcome, error = ("incomplete" if token_times else "connect_error"), f"{type(e).__name__}: {e}"[:300]
+    if outcome == "ok" and not token_times:
+        outcome, error = "incomplete", "no tokens streamed"
+    n_out = int(usage.get("completion_tokens", len(token_times))) if usage else len(token_times)
+    rec["outcome"], rec["error"] = outcome, error
+    rec["prompt_tokens"] = int(usage.get("prompt_tokens")) if usage and usage.get("prompt_tokens") is not None else None
+    rec["output_tokens"] = n_out if outcome == "ok" else len(token_times)
+    if token_times:
+        rec["ttft_ms"] = (token_times[0] - t_send) * 1e3
+        rec["e2el_ms"] = (token_times[-1] - t_send) * 1e3
+        if len(token_times) > 1:
+            rec["itl_ms"] = list(np.diff(token_times) * 1e3)
+        if n_out > 1 and outcome == "ok":
+            rec["tpot_ms"] = (token_times[-1] - token_times[0]) * 1e3 / (n_out - 1)
+            stats.last_tpot_ms.append(rec["tpot_ms"])
+    else:
+        rec["e2el_ms"] = (time.perf_counter() - t_send) * 1e3
+    if outcome == "ok":
+        stats.done += 1
+    else:
+        stats.failed += 1
+    stats.in_flight -= 1
+
+
+async def _sleep_until(deadline: float) -> None:
+    """Sleep to ``deadline`` (perf_counter): coarse sleep, then yield-spin the last millisecond."""
+    while True:
+        d = deadline - time.perf_counter()
+        if d <= 0:
+            return
+        if d > 0.0015:
+            await asyncio.sleep(d - 0.001)
+        else:
+            await asyncio.sleep(0)
+
+
+async def run_schedule(session, cfg: ClientConfig, model: str, prompts: list[PromptItem], schedule: Schedule,
+                       router: str, stats: LiveStats, drain_timeout_s: float | None = None) -> list[dict]:
+    """Send one schedule; wait for every request (each bounded by the request timeout)."""
+    n = len(schedule)
+    recs: list[dict] = []
+    tasks = []
+    stats.router, stats.rate, stats.scheduled = router, schedule.rate, n
+    stats.sent = stats.done = stats.failed = stats.in_flight = stats.tokens = 0
+    stats.lag_ms, stats.last_tpot_ms = [], []
+    stats.horizon_s = schedule.warmup_s + schedule.duration_s
+    t_zero = time.perf_counter() + 0.05
+    stats.started = t_zero
+    for i in range(n):
+        item = prompts[schedule.prompt_index[i]]
+        off = float(schedule.offsets[i])
+        rec = {"request_id": f"{router}-{schedule.rate:g}-{i}", "router": router, "request_rate": schedule.rate,
+               "prompt_index": int(schedule.prompt_index[i]), "domain": item.domain, "scheduled_s": off,
+               "warmup": bool(schedule.warmup[i]), "outcome": "error"}
+        recs.append(rec)
+        await _sleep_until(t_zero + off)
+        stats.sent += 1
+        stats.in_flight += 1
+        tasks.append(asyncio.create_task(_one(session, cfg, model, item, i, off, t_zero, rec, stats)))
+    if tasks:
+        done, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            for r in recs:
+                if r.get("sent_s") is not None and "ttft_ms" not in r and r["outcome"] == "error":
+                    r["outcome"], r["error"] = "timeout", "cancelled at the end of the run (drain timeout)"
+        for t in done:
+            exc = t.exception()
+            if exc is not None:
+                raise exc
+    return recs
+
+
+def make_session(cfg: ClientConfig):
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    return aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None),
+                                 auto_decompress=False)
+
+
+def new_event_loop():
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()

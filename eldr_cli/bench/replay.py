@@ -1,0 +1,148 @@
+"""Trace replay shared by the emulated cluster and the simulator: which experts a request's prompt and
+each of its decode steps activate, and what a step costs.
+
+A request is matched to a trace row by its prompt text (exact, after stripping surrounding
+whitespace). **Fallback for unmatched prompts:** the row ``crc32(prompt) mod R`` -- deterministic, so
+the prefill signature and the replayed decode picks come from the same row (routing stays
+self-consistent) and the emulator and the simulator agree; unmatched requests are counted
+(``/metrics`` ``eldr_emulator_unmatched_prompts_total``, simulator metric ``unmatched``).
+Decode steps beyond the captured ones wrap around (step ``j`` replays captured step
+``j mod decode_steps``): traces are usually capped (e.g. 128 steps) while benches ask for 512.
+
+Active experts are bit sets: bit ``l * E + e`` of a row of uint64 words says expert ``e`` fired at
+layer ``l``; the union over a batch is a bitwise OR and its popcount is the sum over layers of
+distinct active experts -- exactly what :meth:`CostModel.step_ms` takes.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from eldr_cli.artifacts.trace import Trace
+from eldr_cli.costmodel import CostModel
+from eldr_cli.errors import EldrError
+
+
+def _pack_bits(active: np.ndarray) -> np.ndarray:
+    """bool [N, L*E] -> uint64 [N, W] little-endian bit sets."""
+    n, bits = active.shape
+    W = max(1, (bits + 63) // 64)
+    pad = np.zeros((n, W * 64), dtype=bool)
+    pad[:, :bits] = active
+    by = np.packbits(pad.reshape(n, W * 8, 8), axis=2, bitorder="little").reshape(n, W * 8)
+    return np.ascontiguousarray(by).view("<u8").astype(np.uint64)
+
+
+def prompt_of(body: dict, chat: bool) -> str:
+    """The prompt text a request is matched by (chat: the last user message's text)."""
+    if chat:
+        for m in reversed(body.get("messages") or []):
+            if isinstance(m, dict) and m.get("role") == "user":
+                c = m.get("content")
+                if isinstance(c, list):
+                    c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+                return str(c or "")
+        return ""
+    p = body.get("prompt")
+    if isinstance(p, list):
+        p = p[0] if p else ""
+    return p if isinstance(p, str) else str(p)
+
+
+class TraceReplay:
+    """Per-row prefill expert sets, per-step decode expert sets and the cost of a step."""
+
+    def __init__(self, trace: Trace, cost: CostModel):
+        if trace.decode_picks is None or trace.decode_offsets is None:
+            raise EldrError(f"trace {trace.path or ''} has no per-step decode picks, which replay needs",
+                            hint="capture with per-step picks (the default) or `eldr synth-trace --picks`")
+        self.trace = trace
+        self.cost = cost
+        R, L, E = trace.prefill_counts.shape
+        self.n_layers, self.num_experts = L, E
+        steps = np.asarray(trace.decode_steps, dtype=np.int64)
+        self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
+        if self.offsets.shape != (R + 1,) or int(self.offsets[-1]) != trace.decode_picks.shape[0]:
+            raise EldrError(f"trace {trace.path or ''}: decode_offsets do not index decode_picks")
+        self.steps = np.maximum(np.diff(self.offsets), 0)
+        if (self.steps == 0).any():
+            # a row without captured decode steps replays a single empty step (no experts)
+            pass
+        del steps
+        picks = np.asarray(trace.decode_picks, dtype=np.int64)  # [S, L, k]
+        S = picks.shape[0]
+        flat = np.zeros((S, L * E), dtype=bool)
+        cell = np.arange(L)[None, :, None] * E + picks
+        valid = (picks >= 0) & (picks < E)
+        rows = np.broadcast_to(np.arange(S)[:, None, None], picks.shape)
+        flat[rows[valid], cell[valid]] = True
+        self.decode_masks = _pack_bits(flat)                       # [S, W]
+        self.prefill_masks = _pack_bits((trace.prefill_counts > 0).reshape(R, L * E))  # [R, W]
+        self.prompt_tokens = np.maximum(trace.prompt_tokens.astype(np.int64), 1)
+        self.domains = trace.column("domain")
+        prompts = trace.column("prompt")
+        self._index: dict[str, int] = {}
+        for r, p in enumerate(prompts):
+            self._index.setdefault(str(p).strip(), r)
+        self.words = self.decode_masks.shape[1]
+        # rows with no decode steps: point them at an all-zero mask appended at the end
+        self._empty = self.decode_masks.shape[0]
+        self.decode_masks = np.vstack([self.decode_masks, np.zeros((1, self.words), dtype=np.uint64)])
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.prefill_masks.shape[0])
+
+    def match(self, prompt: str) -> tuple[int, bool]:
+        """(trace row, matched?) for a prompt; unmatched prompts get row crc32(prompt) mod R."""
+        key = str(prompt).strip()
+        r = self._index.get(key)
+        if r is not None:
+            return r, True
+        return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.n_rows, False
+
+    def prefill_counts(self, row: int) -> np.ndarray:
+        return np.asarray(self.trace.prefill_counts[row])
+
+    def step_index(self, rows: np.ndarray, tokens_done: np.ndarray) -> np.ndarray:
+        """Index into decode_masks of each request's next decode step."""
+        rows = np.asarray(rows, dtype=np.int64)
+        st = self.steps[rows]
+        idx = self.offsets[rows] + np.asarray(tokens_done, dtype=np.int64) % np.maximum(st, 1)
+        return np.where(st > 0, idx, self._empty)
+
+    def decode_active(self, rows, tokens_done) -> int:
+        """Sum over layers of distinct experts the batch activates in this decode step."""
+        if len(rows) == 0:
+            return 0
+        u = np.bitwise_or.reduce(self.decode_masks[self.step_index(rows, tokens_done)], axis=0)
+        return int(np.bitwise_count(u).sum())
+
+    def prefill_active(self, rows) -> int:
+        if len(rows) == 0:
+            return 0
+        u = np.bitwise_or.reduce(self.prefill_masks[np.asarray(rows, dtype=np.int64)], axis=0)
+        return int(np.bitwise_count(u).sum())
+
+    def decode_step_ms(self, rows, tokens_done) -> tuple[float, int]:
+        a = self.decode_active(rows, tokens_done)
+        return self.cost.step_ms(a, self.n_layers, len(rows)), a
+
+    def prefill_step_ms(self, rows) -> tuple[float, int]:
+        a = self.prefill_active(rows)
+        tokens = int(self.prompt_tokens[np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
+        return self.cost.step_ms(a, self.n_layers, tokens), a
+
+
+def prefill_batch(queue_tokens: list[int], max_batched_tokens: int) -> int:
+    """How many queued requests (FIFO) one prefill step takes: as many as fit in the token budget,
+    at least one. Shared by the emulator and the simulator."""
+    n, total = 0, 0
+    for t in queue_tokens:
+        if n > 0 and total + t > max_batched_tokens:
+            break
+        n += 1
+        total += t
+    return n

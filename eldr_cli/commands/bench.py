@@ -1,0 +1,177 @@
+"""`eldr bench serve | sweep | simulate | moe-layer`: load generation against real or emulated endpoints,
+the discrete-event simulator, and the MoE-layer cost model of this machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+bench_app = typer.Typer(help="TTFT/TPOT benchmarks: real endpoints, emulated clusters, the simulator, "
+                             "and the MoE-layer cost model.", no_args_is_help=True)
+
+RATES = typer.Option("20,40,60,80,100", "--rates", help="Request rates (req/s), comma separated.")
+DURATION = typer.Option(120.0, "--duration", help="Measured seconds per rate.")
+WARMUP = typer.Option(30.0, "--warmup", help="Seconds sent before measuring (excluded from the summary).")
+MAX_TOKENS = typer.Option(512, "--max-tokens", help="Output tokens per request.")
+BURST = typer.Option(1.0, "--burstiness", help="Gamma shape of inter-arrivals (1 = Poisson, <1 burstier).")
+SEED = typer.Option(0, "--seed")
+
+
+def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
+                  ignore_eos, model, mode, cluster, split, live, label, routers=None, tau=None, admin_token=None,
+                  router_name="as-deployed"):
+    from eldr_cli.bench.results import print_bench
+    from eldr_cli.bench.serve import run_bench
+    from eldr_cli.bench.workload import parse_rates
+    from eldr_cli.console import console
+
+    run_bench(out, url=url, prompts=prompts, rates=parse_rates(rates), duration_s=duration, warmup_s=warmup,
+              max_tokens=max_tokens, burstiness=burstiness, seed=seed, timeout_s=timeout,
+              domain_header=domain_header, ignore_eos=ignore_eos, model=model, routers=routers, tau=tau,
+              admin_token=admin_token, mode=mode, cluster_file=cluster, split=split,
+              live=live and console.is_terminal, label=label, api_key=os.environ.get("OPENAI_API_KEY"),
+              router_name=router_name, console=console)
+    print_bench(out)
+
+
+@bench_app.command("serve")
+def serve_cmd(
+    url: str = typer.Option(..., "--url", help="OpenAI-compatible base URL (the proxy or one vLLM server)."),
+    prompts: Path = typer.Option(..., "--prompts", help="JSONL with {\"prompt\", \"domain\"} per line, or a trace artifact."),
+    out: Path = typer.Option(Path("artifacts/bench"), "--out"),
+    rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
+    burstiness: float = BURST, seed: int = SEED,
+    timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout (s)."),
+    domain_header: bool = typer.Option(False, "--domain-header", help="Send X-Eldr-Domain (oracle Domain baseline)."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: first of /v1/models)."),
+    router_name: str = typer.Option("as-deployed", "--router-name", help="Label of the router being measured."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="real (default) or emulated."),
+    cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster file of `eldr emulate` (mode emulated; "
+                                                                   "fetches active-expert step logs)."),
+    split: Optional[str] = typer.Option(None, "--split", help="With a trace as --prompts: calibration|evaluation|all."),
+    live: bool = typer.Option(True, "--live/--no-live", help="Rich live view while running."),
+    label: str = typer.Option("", "--label", help="Title for tables and figures."),
+) -> None:
+    """Poisson (or gamma) load at each rate; per-request TTFT/TPOT/ITL/E2EL; vllm-bench-serve summary keys."""
+    _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
+                  ignore_eos, model, mode, cluster, split, live, label, router_name=router_name)
+
+
+@bench_app.command("sweep")
+def sweep_cmd(
+    url: str = typer.Option(..., "--url", help="The eldr proxy's URL."),
+    prompts: Path = typer.Option(..., "--prompts"),
+    out: Path = typer.Option(Path("artifacts/bench-sweep"), "--out"),
+    routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
+    tau: Optional[float] = typer.Option(None, "--tau", help="ELDR band width (default: the routing artifact's)."),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN"),
+    rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
+    burstiness: float = BURST, seed: int = SEED,
+    timeout: float = typer.Option(600.0, "--timeout"),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
+    model: Optional[str] = typer.Option(None, "--model"),
+    mode: Optional[str] = typer.Option(None, "--mode"),
+    cluster: Optional[Path] = typer.Option(None, "--cluster"),
+    split: Optional[str] = typer.Option(None, "--split"),
+    live: bool = typer.Option(True, "--live/--no-live"),
+    label: str = typer.Option("", "--label"),
+) -> None:
+    """Same rates for several decode routers on one worker pool (switched via the proxy's /admin/policy);
+    one table with % change vs round-robin and vs the best load balancer; Fig. 11 (and Fig. 13 if emulated)."""
+    names = [r.strip() for r in routers.split(",") if r.strip()]
+    if not names:
+        from eldr_cli.errors import EldrError
+
+        raise EldrError("--routers is empty")
+    _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, True,
+                  ignore_eos, model, mode, cluster, split, live, label, routers=names, tau=tau,
+                  admin_token=admin_token)
+
+
+@bench_app.command("simulate")
+def simulate_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks."),
+    cost_model: Path = typer.Option(..., "--cost-model", help="Cost-model artifact (eldr bench moe-layer)."),
+    routing: Optional[Path] = typer.Option(None, "--routing", help="Routing (or fit) artifact; needed by eldr/domain."),
+    out: Path = typer.Option(Path("artifacts/bench-sim"), "--out"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts to send (default: the trace's --split)."),
+    split: str = typer.Option("evaluation", "--split", help="Trace split to send when --prompts is not given."),
+    routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
+    prefill: int = typer.Option(8, "--prefill"), decode: int = typer.Option(16, "--decode"),
+    tau: Optional[float] = typer.Option(None, "--tau"),
+    max_seqs: int = typer.Option(256, "--max-seqs"),
+    rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
+    burstiness: float = BURST, seed: int = SEED,
+    label: str = typer.Option("", "--label"),
+) -> None:
+    """Discrete-event SIMULATION of PxD with the same traces, cost model and routing objects; no HTTP."""
+    from eldr_cli.bench.results import print_bench
+    from eldr_cli.bench.workload import parse_rates
+    from eldr_cli.console import console
+    from eldr_cli.simulator import run_simulate
+
+    names = [r.strip() for r in routers.split(",") if r.strip()]
+    with console.status("simulating ..."):
+        run_simulate(out, trace=trace, cost_model=cost_model, prompts=prompts, split=split, routers=names,
+                     rates=parse_rates(rates), n_prefill=prefill, n_decode=decode, duration_s=duration,
+                     warmup_s=warmup, max_tokens=max_tokens, burstiness=burstiness, routing=routing, tau=tau,
+                     seed=seed, max_seqs=max_seqs, title=label)
+    print_bench(out)
+
+
+@bench_app.command("moe-layer")
+def moe_layer_cmd(
+    out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
+    experts: int = typer.Option(64, "--experts"), hidden: int = typer.Option(1024, "--hidden"),
+    intermediate: int = typer.Option(512, "--intermediate"), top_k: int = typer.Option(8, "--top-k"),
+    batches: str = typer.Option("1,4,16,64,128", "--batches", help="Batch sizes (tokens per step)."),
+    actives: str = typer.Option("1,2,4,8,16,32,48,64", "--active", help="Distinct active experts per step."),
+    repeats: int = typer.Option(7, "--repeats"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    threads: int = typer.Option(1, "--threads", help="torch threads (1 = steadier on a shared machine)."),
+    seed: int = SEED,
+) -> None:
+    """Time one MoE layer (real expert matmuls over only the active experts) on this CPU; fit the cost
+    model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+    from eldr_cli.costmodel.moe_layer import run_moe_layer
+    from eldr_cli.errors import EldrError
+
+    def ints(s, name):
+        try:
+            v = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
+        if not v or min(v) < 1:
+            raise EldrError(f"--{name} must be positive integers")
+        return v
+
+    with console.status("timing the MoE layer ...") as st:
+        run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
+                      batches=ints(batches, "batches"), actives=ints(actives, "active"), repeats=repeats,
+                      dtype=dtype, threads=threads, seed=seed,
+                      progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
+    a = Artifact(out)
+    c, m = a.params["coefficients_ms"], a.metrics
+    console.print(f"cost model (measured on this CPU, {a.params['threads']} thread(s), {a.params['dtype']}): per MoE "
+                  f"layer [bold]{c['a']:.3f} + {c['b']:.3f}*active + {c['c']:.4f}*tokens[/] ms, non-MoE "
+                  f"{c['e']:.3f} + {c['d']:.4f}*tokens ms; fit R^2 {m['fit_r2']:.3f}, median |rel err| "
+                  f"{100 * m['fit_median_abs_rel_error']:.1f}%")
+    console.print(f"-> {out} (fig2_moe_layer.png, moe_timings.parquet)")
+
+
+@bench_app.command("show")
+def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory.")) -> None:
+    """Print a bench artifact's tables again."""
+    from eldr_cli.bench.results import print_bench
+
+    print_bench(path)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,42 @@
+"""`eldr emulate`: an emulated xPyD cluster (vLLM HTTP + PD protocol, cost-model step times)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def emulate_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks (eldr capture)."),
+    cost_model: Path = typer.Option(..., "--cost-model", help="Cost-model artifact (eldr bench moe-layer)."),
+    prefill: int = typer.Option(8, "--prefill", help="Prefill workers."),
+    decode: int = typer.Option(16, "--decode", help="Decode workers."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    base_port: int = typer.Option(18300, "--base-port", help="Prefill workers take base..base+P-1, decode the next D."),
+    max_seqs: int = typer.Option(256, "--max-seqs", help="Max running requests per decode worker."),
+    model_name: str = typer.Option(None, "--model-name", help="Model id served (default: the trace's model)."),
+    cluster_file: Path = typer.Option(None, "--cluster-file",
+                                      help="Write the worker URLs as JSON here once listening (for bench/proxy)."),
+) -> None:
+    """Run P prefill + D decode EMULATED workers until Ctrl-C. Step times come from the cost model applied
+    to the union of experts the running requests' replayed trace picks activate."""
+    from eldr_cli.console import console
+    from eldr_cli.emulator import serve_cluster
+
+    def ready(info):
+        console.print(f"[bold]EMULATED[/] cluster {prefill}P{decode}D of {info['model']} (pid {info['pid']}):")
+        console.print("  prefill: " + " ".join(info["prefill"]))
+        console.print("  decode:  " + " ".join(info["decode"]))
+        console.print(f"  serve-proxy: eldr serve-proxy --routing FIT/routing "
+                      + " ".join(f"--prefill {u}" for u in info["prefill"][:2]) + " ... "
+                      + " ".join(f"--decode {u}" for u in info["decode"][:2]) + " ...")
+        console.print("Ctrl-C stops it.", style="dim")
+
+    serve_cluster(trace=trace, cost_model=cost_model, n_prefill=prefill, n_decode=decode, host=host,
+                  base_port=base_port, max_seqs=max_seqs, model_name=model_name, cluster_file=cluster_file,
+                  ready=ready)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("emulate")(emulate_cmd)

@@ -1,0 +1,74 @@
+"""The cost model of one MoE forward step on a machine (ELDR §2, Fig. 2), kind "cost-model".
+
+A decode (or prefill) step of a batch over L MoE layers costs, in milliseconds::
+
+    step_ms = sum_l (a + b * active_l + c * tokens)      # MoE part: weights of the distinct experts
+            + L * (e + d * tokens)                       # non-MoE part (attention projections, norms)
+
+``active_l`` is the number of *distinct* experts the step's tokens activate at layer l (the union
+over the batch), ``tokens`` the tokens in the step (= running requests for decode). The emulator
+and the simulator both use :meth:`CostModel.step_ms`, so their step times agree by construction.
+Parameters come from ``eldr bench moe-layer`` (real torch timings on this CPU, least squares fit).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eldr_cli.errors import EldrError
+
+KIND = "cost-model"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    a_ms: float           # per MoE layer, per step
+    b_ms: float           # per distinct active expert (per layer)
+    c_ms: float           # per token per MoE layer
+    e_ms: float = 0.0     # non-MoE, per layer per step
+    d_ms: float = 0.0     # non-MoE, per token (= per running decode request) per layer
+    source: str = "measured"
+    device: str = "cpu"
+
+    def step_ms(self, active_total: float, n_layers: int, tokens: float) -> float:
+        """One step: ``active_total`` = sum over the L layers of distinct active experts."""
+        return (n_layers * (self.a_ms + self.c_ms * tokens + self.e_ms + self.d_ms * tokens)
+                + self.b_ms * active_total)
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(per-step constant per layer, per active expert, per token per layer) for fast loops."""
+        return (self.a_ms + self.e_ms, self.b_ms, self.c_ms + self.d_ms)
+
+    def as_params(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CostModel":
+        from eldr_cli.artifacts.store import Artifact
+
+        p = Path(path)
+        if p.is_file():
+            raise EldrError(f"{p} is a file; a cost model is an artifact directory",
+                            hint="write one with `eldr bench moe-layer --out DIR`")
+        art = Artifact(p, kind=KIND)
+        c = art.params["coefficients_ms"]
+        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
+                   source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"))
+
+
+def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,
+                     metrics: dict | None = None, tables: dict | None = None, figures=None) -> Path:
+    from eldr_cli.artifacts.store import ArtifactWriter
+
+    coeff = {"a": model.a_ms, "b": model.b_ms, "c": model.c_ms, "e": model.e_ms, "d": model.d_ms}
+    with ArtifactWriter(out, kind=KIND, params={
+        "kind": "moe-step", "formula": "step_ms = sum_l (a + b*active_l + c*tokens) + L*(e + d*tokens)",
+        "coefficients_ms": coeff, "source": model.source, "device": model.device, **(params or {})}) as w:
+        for name, df in (tables or {}).items():
+            w.write_table(name, df)
+        w.metrics.update(metrics or {})
+        if figures is not None:
+            figures(w.path)
+    return Path(out)

@@ -1,0 +1,164 @@
+"""`eldr bench moe-layer`: time one MoE layer on this machine and fit the cost model (ELDR Fig. 2).
+
+The timed layer is a real SwiGLU expert MLP bank (gate/up/down weights [E, H, I] / [E, I, H]) run
+with torch over *only the experts the batch activates*: each of the batch's tokens takes top-k
+distinct experts from a set of ``active`` experts (spread so every active expert gets tokens), and
+the layer does the three matmuls of each active expert over its tokens and scatters the result
+back -- the work a grouped MoE kernel does on a memory-bound decode step. The non-MoE part is timed
+as one attention block's projections (q, k, v, o: four [H, H] matmuls) plus an RMSNorm. On a GPU
+with vLLM's fused MoE kernel importable, ``backend="vllm"`` times that kernel instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.costmodel import CostModel, write_cost_model
+from eldr_cli.errors import EldrError
+
+DEFAULT_BATCHES = (1, 4, 16, 64, 128)
+DEFAULT_ACTIVE = (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+def _routing(batch: int, active: int, top_k: int, num_experts: int, rng) -> list[tuple[int, np.ndarray]]:
+    """(expert, token indices) for a batch whose tokens use exactly ``active`` distinct experts."""
+    experts = rng.choice(num_experts, size=active, replace=False)
+    k = min(top_k, active)
+    slots = (np.arange(batch)[:, None] * k + np.arange(k)[None, :]) % active  # distinct per token
+    out = []
+    for j in range(active):
+        toks = np.flatnonzero((slots == j).any(axis=1))
+        if toks.size:
+            out.append((int(experts[j]), toks))
+    return out
+
+
+def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512, top_k: int = 8,
+                   batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7, dtype: str = "float32",
+                   threads: int | None = 1, seed: int = 0, progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Returns (moe rows, non-moe rows, facts). Each moe row: batch, active_experts, ms (min of repeats)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise EldrError(f"unknown --dtype {dtype!r}; expected float32 or bfloat16")
+    if min(num_experts, hidden, intermediate, top_k, repeats) < 1 or top_k > num_experts:
+        raise EldrError("experts, hidden, intermediate, top-k and repeats must be >= 1, top-k <= experts")
+    g = torch.Generator().manual_seed(seed)
+    scale = hidden ** -0.5
+    w_gate = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dt)
+    w_up = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dt)
+    w_down = (torch.randn(num_experts, intermediate, hidden, generator=g) * intermediate ** -0.5).to(dt)
+    w_attn = (torch.randn(4, hidden, hidden, generator=g) * scale).to(dt)
+    rng = np.random.default_rng(seed)
+
+    def moe(x, routes):
+        out = torch.zeros_like(x)
+        for e, toks in routes:
+            idx = torch.from_numpy(toks)
+            xe = x.index_select(0, idx)
+            h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
+            out.index_add_(0, idx, h @ w_down[e])
+        return out
+
+    def non_moe(x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        xn = x * torch.rsqrt(var + 1e-6)
+        q, k, v = xn @ w_attn[0], xn @ w_attn[1], xn @ w_attn[2]
+        return (q + k + v) @ w_attn[3]
+
+    # Each point is timed ``repeats`` times in interleaved, shuffled rounds and the minimum kept: on a
+    # shared machine other processes only ever add time, so the minimum is the least biased estimate
+    # and a burst of contention cannot hit every repeat of one point.
+    points = [(b, a) for b in batches for a in actives if a <= min(num_experts, b * top_k)]
+    inputs = {b: torch.randn(b, hidden, generator=g).to(dt) for b in batches}
+    routes = {(b, a): _routing(b, a, top_k, num_experts, rng) for b, a in points}
+    best = {p: float("inf") for p in points}
+    best_dense = {b: float("inf") for b in batches}
+    order = list(points)
+    with torch.inference_mode():
+        for p in points:  # warm-up
+            moe(inputs[p[0]], routes[p])
+        for rep in range(repeats):
+            rng.shuffle(order)
+            for p in order:
+                t0 = time.perf_counter()
+                moe(inputs[p[0]], routes[p])
+                best[p] = min(best[p], time.perf_counter() - t0)
+            for b in batches:
+                t0 = time.perf_counter()
+                non_moe(inputs[b])
+                best_dense[b] = min(best_dense[b], time.perf_counter() - t0)
+            if progress:
+                progress(rep + 1, repeats)
+    moe_rows = [{"batch": b, "active_experts": a, "ms": best[(b, a)] * 1e3} for b, a in points]
+    dense_rows = [{"batch": b, "ms": best_dense[b] * 1e3} for b in batches]
+    facts = {"num_experts": num_experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k,
+             "dtype": dtype, "threads": int(torch.get_num_threads()), "repeats": repeats,
+             "torch": torch.__version__, "backend": "torch"}
+    return moe_rows, dense_rows, facts
+
+
+def fit_cost_model(moe_rows: list[dict], dense_rows: list[dict]) -> tuple[CostModel, dict]:
+    """Non-negative least squares: moe ms ~ a + b*active + c*tokens; non-moe ms ~ e + d*tokens."""
+    A = np.array([[1.0, r["active_experts"], r["batch"]] for r in moe_rows])
+    y = np.array([r["ms"] for r in moe_rows])
+    from scipy.optimize import nnls
+
+    # non-negative least squares: a negative intercept would make small steps cost < 0 ms
+    coef, _ = nnls(A, y)
+    pred = A @ coef
+    r2 = 1 - float(((y - pred) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
+    D = np.array([[1.0, r["batch"]] for r in dense_rows])
+    yd = np.array([r["ms"] for r in dense_rows])
+    cd, _ = nnls(D, yd)
+    model = CostModel(a_ms=float(coef[0]), b_ms=float(coef[1]), c_ms=float(coef[2]),
+                      e_ms=float(max(cd[0], 0.0)), d_ms=float(max(cd[1], 0.0)), source="measured")
+    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
+    return model, {"r2": r2, "median_abs_rel_error": float(np.median(rel)), "max_abs_rel_error": float(rel.max())}
+
+
+def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512,
+                  top_k: int = 8, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7,
+                  dtype: str = "float32", threads: int | None = 1, seed: int = 0, progress=None) -> Path:
+    import platform
+
+    import polars as pl
+
+    from eldr_cli.bench import figures as plots
+
+    if not batches or not actives or min(batches) < 1 or min(actives) < 1:
+        raise EldrError("batch sizes and active expert counts must be positive integers")
+    t0 = time.perf_counter()
+    moe_rows, dense_rows, facts = time_moe_layer(
+        num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k, batches=batches,
+        actives=actives, repeats=repeats, dtype=dtype, threads=threads, seed=seed, progress=progress)
+    if len(moe_rows) < 3:
+        raise EldrError("too few (batch, active experts) points to fit the cost model; give more values")
+    model, fit = fit_cost_model(moe_rows, dense_rows)
+    model = CostModel(**{**model.as_params(), "device": f"cpu ({platform.processor() or platform.machine()})"})
+
+    def figures(d: Path):
+        plots.moe_layer_cost(d / "fig2_moe_layer.png", moe_rows, model, facts)
+
+    def lookup(b, a):
+        return next((r["ms"] for r in moe_rows if r["batch"] == b and r["active_experts"] == a), None)
+
+    metrics = {**{f"fit_{k}": v for k, v in fit.items()}, "points": len(moe_rows),
+               "measure_s": round(time.perf_counter() - t0, 2)}
+    bmax = max(batches)
+    for a in (8, max(a for a in actives if a <= min(num_experts, bmax * top_k))):
+        v = lookup(bmax, a)
+        if v is not None:
+            metrics[f"ms_batch{bmax}_active{a}"] = v
+    return write_cost_model(out, model, params={**facts, "batches": list(batches), "actives": list(actives),
+                                                "seed": seed},
+                            metrics=metrics, tables={"moe_timings": pl.DataFrame(moe_rows),
+                                                     "non_moe_timings": pl.DataFrame(dense_rows)},
+                            figures=figures)
