@@ -56,12 +56,9 @@ def test_prefill_timeout_then_retry_then_502(cluster):
 
 
 def test_prefill_4xx_is_relayed_not_retried(cluster):
-    # the stub answers 404 for unknown paths; emulate a worker-side 4xx by pointing a prefill at /nowhere
-    w = cluster.app.state.prefill.workers[0]
-    w.url = w.url + "/nowhere"
-    cluster.app.state.prefill.workers[1].url += "/nowhere"
-    r = _complete(cluster.url, "x")
-    assert r.status_code == 404
+    r = _complete(cluster.url, "[[fault:prefill_400]] x")
+    assert r.status_code == 400 and "too long" in r.json()["error"]["message"]
+    assert sum(s.stats["prefill_400"] for s in cluster.prefill) == 1
     assert cluster.metric("eldr_proxy_retries_total", role="prefill") == 0
     assert cluster.app.state.outcomes == {"bad_request": 1}
 
@@ -99,11 +96,18 @@ def test_decode_worker_unreachable_retries_on_another(cluster):
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
     dead.close()  # nothing listens there
-    cluster.app.state.decode.workers[0].url = f"http://127.0.0.1:{port}"
+    w = cluster.app.state.decode.workers[0]
+    w.session = cluster.proxy.call(_pool(f"http://127.0.0.1:{port}"))
     r = _complete(cluster.url, "hello")
     assert r.status_code == 200 and r.headers["x-eldr-decode-worker"] != "d0"
     assert cluster.metric("eldr_proxy_retries_total", role="decode") == 1
     assert sum(cluster.inflight()) == 0
+
+
+async def _pool(url):
+    from eldr_cli.proxy.upstream import HttpPool
+
+    return HttpPool(url)
 
 
 def test_client_disconnect_cancels_the_upstream_stream():
@@ -172,3 +176,40 @@ def test_mixed_fault_burst_every_request_has_one_outcome():
         assert c.metric("eldr_proxy_requests_total") == st.started
     finally:
         c.close()
+
+
+def test_upstream_pool_resends_on_a_connection_the_server_closed():
+    """A kept-alive connection closed by the worker while idle is replaced transparently."""
+    import asyncio
+
+    from eldr_cli.proxy.upstream import HttpPool, UpstreamHTTPError
+
+    async def run():
+        served = []
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            served.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.close()  # closes the "kept-alive" connection behind the client's back
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        pool = HttpPool(f"http://127.0.0.1:{port}")
+        bodies = []
+        for _ in range(3):
+            r = await pool.request("GET", "/x", timeout=5)
+            bodies.append(await r.read(5))
+            r.release()
+            await asyncio.sleep(0.2)
+        await pool.close()
+        srv.close()
+        with pytest.raises(UpstreamHTTPError) as e:
+            await HttpPool(f"http://127.0.0.1:{port}").request("GET", "/x")
+        return bodies, served, e.value.kind
+
+    bodies, served, kind = asyncio.run(run())
+    assert bodies == [b"ok"] * 3 and len(served) == 3
+    assert kind == "connect"

@@ -33,6 +33,7 @@ from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.metrics import ProxyMetrics
+from eldr_cli.proxy.upstream import HttpPool, UpstreamHTTPError
 from eldr_cli.proxy.workers import DOWN_LOAD, PrefixHashPrefill, Worker, WorkerPool, prompt_key
 from eldr_cli.stages.routing import RoutingModel, jsq, make_policy
 
@@ -126,15 +127,11 @@ class ProxyApp:
         self._started = False
         self._health_task: asyncio.Task | None = None
         self._bg: set[asyncio.Task] = set()
-        self._aiohttp = None
 
     # -- lifetime -----------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
             return
-        import aiohttp
-
-        self._aiohttp = aiohttp
         self._started = True
         for w in [*self.state.prefill, *self.state.decode]:
             self._open(w)
@@ -169,13 +166,9 @@ class ProxyApp:
             self.decision_log = None
 
     def _open(self, w: Worker) -> None:
-        aiohttp = self._aiohttp
-        conn = aiohttp.TCPConnector(limit=self.cfg.max_connections_per_worker, ttl_dns_cache=300,
-                                    keepalive_timeout=30)
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s,
-                                        sock_read=self.cfg.decode_read_timeout_s)
-        w.session = aiohttp.ClientSession(base_url=None, connector=conn, timeout=timeout,
-                                          auto_decompress=False, skip_auto_headers=("User-Agent",))
+        # one keep-alive pool per upstream worker
+        w.session = HttpPool(w.url, connect_timeout=self.cfg.connect_timeout_s,
+                             max_idle=self.cfg.max_connections_per_worker)
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -329,9 +322,9 @@ class ProxyApp:
     async def _pd(self, ctx, body, send, rid_h) -> str:
         st, m = self.state, self.metrics
         path = "/v1/chat/completions" if ctx["endpoint"] == "chat" else "/v1/completions"
-        headers = {"content-type": "application/json", "x-request-id": ctx["rid"]}
+        headers = [("content-type", "application/json"), ("x-request-id", ctx["rid"])]
         if ctx["auth"] is not None:
-            headers["authorization"] = ctx["auth"].decode("latin-1")
+            headers.append(("authorization", ctx["auth"].decode("latin-1")))
 
         # 1. prefill leg (one retry on another worker)
         pre = dict(body)
@@ -441,21 +434,22 @@ class ProxyApp:
         return idx, loads
 
     async def _prefill_leg(self, w: Worker, path, raw, headers) -> dict:
-        aiohttp = self._aiohttp
         w.inflight += 1
+        resp = None
         try:
             try:
-                async with w.session.post(w.url + path, data=raw, headers=headers,
-                                          timeout=aiohttp.ClientTimeout(total=self.cfg.prefill_timeout_s,
-                                                                        connect=self.cfg.connect_timeout_s)) as r:
-                    data = await r.read()
-                    status = r.status
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.cfg.prefill_timeout_s):
+                    resp = await w.session.request("POST", path, raw, headers)
+                    data = await resp.read()
+                    status = resp.status
+            except TimeoutError:
                 raise UpstreamError("timeout", f"no answer within {self.cfg.prefill_timeout_s:g} s") from None
-            except aiohttp.ClientError as e:
-                raise UpstreamError("connection", f"{type(e).__name__}: {e}") from None
+            except UpstreamHTTPError as e:
+                raise UpstreamError("timeout" if e.kind == "timeout" else "connection", str(e)) from None
         finally:
             w.inflight -= 1
+            if resp is not None:
+                resp.release()
         if status != 200:
             raise UpstreamError("status", f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}",
                                 status=status, body=data)
@@ -468,31 +462,26 @@ class ProxyApp:
         return ans
 
     async def _decode_leg(self, ctx, w: Worker, path, raw, headers, stream, send, rid_h) -> str:
-        aiohttp = self._aiohttp
         m = self.metrics
+        rt = self.cfg.decode_read_timeout_s
         w.inflight += 1
         resp = None
         try:
             try:
-                resp = await w.session.post(w.url + path, data=raw, headers=headers)
-            except aiohttp.ClientConnectorError as e:
-                raise _ConnectFailed(str(e)) from None
-            except asyncio.TimeoutError:
-                m.upstream_errors.labels("decode", w.id, "timeout").inc()
-                ctx["reason"] = f"decode worker {w.id} timed out"
-                await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h])
-                return "upstream_error"
-            except aiohttp.ClientError as e:
-                m.upstream_errors.labels("decode", w.id, "connection").inc()
-                ctx["reason"] = f"decode worker {w.id}: {type(e).__name__}: {e}"
+                resp = await w.session.request("POST", path, raw, headers, timeout=rt)
+            except UpstreamHTTPError as e:
+                if e.kind == "connect":
+                    raise _ConnectFailed(str(e)) from None
+                m.upstream_errors.labels("decode", w.id, e.kind if e.kind == "timeout" else "connection").inc()
+                ctx["reason"] = f"decode worker {w.id}: {e}"
                 await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h])
                 return "upstream_error"
             wid_h = (b"x-eldr-decode-worker", w.id.encode())
             pid_h = (b"x-eldr-prefill-worker", ctx["prefill"].encode())
             if resp.status != 200:
                 try:
-                    data = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    data = await resp.read(rt)
+                except UpstreamHTTPError:
                     data = b""
                 m.upstream_errors.labels("decode", w.id, "status").inc()
                 if 400 <= resp.status < 500:
@@ -505,10 +494,10 @@ class ProxyApp:
                 return "upstream_error"
             if not stream:
                 try:
-                    data = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    m.upstream_errors.labels("decode", w.id, "dropped").inc()
-                    ctx["reason"] = f"decode worker {w.id} dropped the answer: {type(e).__name__}"
+                    data = await resp.read(rt)
+                except UpstreamHTTPError as e:
+                    m.upstream_errors.labels("decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                    ctx["reason"] = f"decode worker {w.id} dropped the answer: {e}"
                     await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h, wid_h, pid_h])
                     return "upstream_error"
                 ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
@@ -517,12 +506,11 @@ class ProxyApp:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [_SSE, (b"cache-control", b"no-cache"), rid_h, wid_h, pid_h]})
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.iter_chunks(rt):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "dropped"
-                m.upstream_errors.labels("decode", w.id, kind).inc()
-                ctx["reason"] = f"decode worker {w.id} stream ended abnormally: {type(e).__name__}"
+            except UpstreamHTTPError as e:
+                m.upstream_errors.labels("decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                ctx["reason"] = f"decode worker {w.id} stream ended abnormally: {e}"
                 ev = orjson.dumps(_err(ctx["reason"], "upstream_error", 502))
                 await send({"type": "http.response.body", "body": b"data: " + ev + b"\n\n", "more_body": False})
                 return "stream_error"
@@ -531,10 +519,7 @@ class ProxyApp:
         finally:
             w.inflight -= 1
             if resp is not None:
-                if resp.content.at_eof():
-                    resp.release()
-                else:
-                    resp.close()  # unfinished (cancelled/failed): drop the connection so the worker aborts
+                resp.release()  # closes the connection unless the answer was read to its end
 
     # -- other endpoints ------------------------------------------------------------------------
     async def _health(self, send):
@@ -548,18 +533,16 @@ class ProxyApp:
         await _send_json(send, 200 if ok else 503, body)
 
     async def _models(self, send):
-        aiohttp = self._aiohttp
         st = self.state
         errs = []
         for w in [*st.decode.healthy(), *st.prefill.healthy()]:
             try:
-                async with w.session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    data = await r.read()
-                    if r.status == 200:
-                        return await _send(send, 200, data, [_JSON])
-                    errs.append(f"{w.id}: HTTP {r.status}")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                errs.append(f"{w.id}: {type(e).__name__}")
+                status, data = await _get(w, "/v1/models", 10.0)
+                if status == 200:
+                    return await _send(send, 200, data, [_JSON])
+                errs.append(f"{w.id}: HTTP {status}")
+            except (UpstreamHTTPError, TimeoutError) as e:
+                errs.append(f"{w.id}: {e or type(e).__name__}")
         await _send_json(send, 502, _err("no worker answered /v1/models: " + "; ".join(errs), "upstream_error", 502))
 
     # -- admin ----------------------------------------------------------------------------------
@@ -629,7 +612,7 @@ class ProxyApp:
         st = self.state
         action, role, url = body.get("action"), body.get("role"), body.get("url")
         if action not in ("add", "remove") or role not in ("prefill", "decode") or not isinstance(url, str) \
-                or not url.startswith(("http://", "https://")):
+                or not url.startswith("http://"):
             raise _Refused('expected {"action": "add"|"remove", "role": "prefill"|"decode", "url": "http://..."}')
         pool = st.prefill if role == "prefill" else st.decode
         n_new = len(pool) + (1 if action == "add" else -1)
@@ -666,8 +649,8 @@ class ProxyApp:
         new_urls = body.get("decode")
         if new_urls is not None:
             if not isinstance(new_urls, list) or not new_urls or not all(
-                    isinstance(u, str) and u.startswith(("http://", "https://")) for u in new_urls):
-                raise _Refused('"decode" must be a non-empty list of http(s) URLs')
+                    isinstance(u, str) and u.startswith("http://") for u in new_urls):
+                raise _Refused('"decode" must be a non-empty list of http:// URLs')
             n = len({u.rstrip("/") for u in new_urls})
         else:
             n = len(st.decode)
@@ -716,20 +699,16 @@ class ProxyApp:
         await asyncio.gather(*(self._check(w) for w in ws))
 
     async def _check(self, w: Worker) -> None:
-        aiohttp = self._aiohttp
         cfg = self.cfg
         ok = False
         try:
-            async with w.session.get(w.url + cfg.health_path,
-                                     timeout=aiohttp.ClientTimeout(total=cfg.health_timeout_s)) as r:
-                await r.read()
-                ok = r.status == 200
+            status, _ = await _get(w, cfg.health_path, cfg.health_timeout_s)
+            ok = status == 200
             if ok and cfg.scrape_metrics and w.role == "decode":
-                async with w.session.get(w.url + "/metrics",
-                                         timeout=aiohttp.ClientTimeout(total=cfg.health_timeout_s)) as r:
-                    w.scraped_running = parse_running(await r.text()) if r.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            ok = ok and not cfg.scrape_metrics
+                status, data = await _get(w, "/metrics", cfg.health_timeout_s)
+                w.scraped_running = parse_running(data.decode("utf-8", "replace")) if status == 200 else None
+        except (UpstreamHTTPError, TimeoutError, ValueError):
+            pass  # a failed scrape after a good /health still counts the worker as up
         if ok:
             w.fail_streak, w.ok_streak = 0, w.ok_streak + 1
             if not w.healthy and w.ok_streak >= cfg.health_success_threshold:
@@ -766,6 +745,17 @@ class _Refused(Exception):
     def __init__(self, msg, status=400):
         super().__init__(msg)
         self.status = status
+
+
+async def _get(w: Worker, path: str, timeout: float) -> tuple[int, bytes]:
+    resp = None
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await w.session.request("GET", path)
+            return resp.status, await resp.read()
+    finally:
+        if resp is not None:
+            resp.release()
 
 
 async def _wait_disconnect(receive) -> None:

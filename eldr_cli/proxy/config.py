@@ -57,8 +57,8 @@ class ProxyConfig:
         if not self.decode:
             raise EldrError("no decode worker given", hint="pass --decode URL (repeatable)")
         for u in [*self.prefill, *self.decode]:
-            if not (u.startswith("http://") or u.startswith("https://")):
-                raise EldrError(f"worker URL {u!r} must start with http:// or https://")
+            if not u.startswith("http://"):
+                raise EldrError(f"worker URL {u!r} must start with http:// (the proxy talks plain HTTP to workers)")
         if self.policy in ("eldr", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None and not (0.0 <= self.tau <= 2.0):

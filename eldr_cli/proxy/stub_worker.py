@@ -5,7 +5,7 @@ Not a model: it answers at once with deterministic fake tokens. A request whose
 with fake remote blocks and, unless disabled, ``eldr_signature`` = the prompt's fake expert counts);
 anything else is a decode leg (``max_tokens`` tokens, SSE when ``stream``). Faults are injected by
 a marker in the prompt text (passes through the proxy unchanged): ``[[fault:KIND]]`` with KIND in
-``prefill_500 prefill_timeout prefill_nosig prefill_badsig decode_500 decode_drop decode_slow``,
+``prefill_500 prefill_400 prefill_timeout prefill_nosig prefill_badsig decode_500 decode_drop decode_slow``,
 or for the whole worker with ``StubWorker.fail`` = "500" | "timeout".
 
 Run standalone (for benchmarks): ``python -m eldr_cli.proxy.stub_worker --port P1 --port P2 ...``.
@@ -122,6 +122,9 @@ class StubWorker:
         if self.fail == "500" or fault == "prefill_500":
             self.stats["prefill_500"] += 1
             return await _reply(send, 500, b'{"error": {"message": "injected prefill failure"}}')
+        if fault == "prefill_400":
+            self.stats["prefill_400"] += 1
+            return await _reply(send, 400, b'{"error": {"message": "injected: prompt too long"}}')
         if self.fail == "timeout" or fault == "prefill_timeout":
             self.stats["prefill_timeout"] += 1
             await asyncio.sleep(self.timeout_sleep_s)

@@ -1,0 +1,266 @@
+"""A lean HTTP/1.1 client for the proxy's upstream legs: one keep-alive connection pool per worker,
+responses parsed by httptools (the C parser uvicorn uses), bodies read whole or streamed chunk by
+chunk as they arrive.
+
+Why not aiohttp: the proxy makes two upstream requests per client request, and on a small machine
+the client library's per-request Python work was the largest part of the proxy's CPU cost (see
+benchmarks/bench_proxy.py). This client does only what the PD legs need: POST/GET with a known
+body, Content-Length or chunked responses, explicit timeouts, and closing the connection when a
+leg is abandoned (which makes vLLM abort the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class UpstreamHTTPError(Exception):
+    """kind: "connect" (nothing was sent), "timeout", or "closed" (connection lost mid-answer)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class _Conn(asyncio.Protocol):
+    __slots__ = ("pool", "transport", "parser", "status", "headers", "chunks", "buffered", "done", "closed",
+                 "keep_alive", "waiter", "paused", "got_bytes", "until_eof")
+
+    HIGH_WATER = 1 << 18
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.transport = None
+        self.closed = False
+        self._reset()
+
+    def _reset(self):
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = None
+        self.headers = {}
+        self.chunks = []
+        self.buffered = 0
+        self.done = False
+        self.keep_alive = False
+        self.waiter = None
+        self.paused = False
+        self.got_bytes = False
+        self.until_eof = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.closed = True
+            self.transport.close()
+            self._wake(UpstreamHTTPError("closed", f"bad HTTP from upstream: {e}"))
+
+    def connection_lost(self, exc):
+        self.closed = True
+        if self.until_eof and self.status is not None and not self.done:
+            self.done = True  # body delimited by connection close
+            self._wake(None)
+        elif not self.done:
+            self._wake(UpstreamHTTPError("closed", "upstream closed the connection"
+                                         + ("" if exc is None else f" ({type(exc).__name__})")))
+
+    # httptools callbacks
+    def on_header(self, name, value):
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self):
+        self.status = self.parser.get_status_code()
+        self.until_eof = ("content-length" not in self.headers
+                          and "chunked" not in self.headers.get("transfer-encoding", "").lower())
+        self._wake(None)
+
+    def on_body(self, body):
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > self.HIGH_WATER and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake(None)
+
+    def on_message_complete(self):
+        self.done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake(None)
+
+    def _wake(self, exc):
+        w = self.waiter
+        if w is not None and not w.done():
+            if exc is None:
+                w.set_result(None)
+            else:
+                w.set_exception(exc)
+
+    async def wait(self, timeout: float | None):
+        """Wait for the next parser event (headers, body chunk, end, or loss)."""
+        loop = self.pool.loop
+        self.waiter = fut = loop.create_future()
+        h = None
+        if timeout is not None:
+            h = loop.call_later(timeout, _expire, fut, timeout)
+        try:
+            await fut
+        finally:
+            self.waiter = None
+            if h is not None:
+                h.cancel()
+
+
+def _expire(fut, timeout):
+    if not fut.done():
+        fut.set_exception(UpstreamHTTPError("timeout", f"no data from upstream for {timeout:g} s"))
+
+
+class Response:
+    __slots__ = ("conn", "status", "headers", "_finished")
+
+    def __init__(self, conn: _Conn):
+        self.conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        self._finished = False
+
+    async def read(self, timeout: float | None = None) -> bytes:
+        c = self.conn
+        while not c.done:
+            if c.closed:
+                raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
+            await c.wait(timeout)
+        data = b"".join(c.chunks)
+        c.chunks = []
+        return data
+
+    async def iter_chunks(self, timeout: float | None = None):
+        c = self.conn
+        while True:
+            if c.chunks:
+                chunks, c.chunks, c.buffered = c.chunks, [], 0
+                if c.paused:
+                    c.paused = False
+                    c.transport.resume_reading()
+                for ch in chunks:
+                    yield ch
+                continue
+            if c.done:
+                return
+            if c.closed:
+                raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
+            await c.wait(timeout)
+
+    @property
+    def complete(self) -> bool:
+        return self.conn.done and not self.conn.chunks
+
+    def release(self) -> None:
+        """Give the connection back to the pool if the answer was read to its end, else close it."""
+        if self._finished:
+            return
+        self._finished = True
+        c = self.conn
+        if c.done and c.keep_alive and not c.closed and not c.chunks:
+            c._reset()
+            self.conn.pool._put(c)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        self._finished = True
+        c = self.conn
+        c.closed = True
+        if c.transport is not None:
+            c.transport.close()
+
+
+class HttpPool:
+    """Keep-alive connections to one upstream ``http://host:port`` (TLS is not supported)."""
+
+    def __init__(self, base_url: str, *, connect_timeout: float = 5.0, max_idle: int = 256):
+        u = urlsplit(base_url)
+        if u.scheme != "http":
+            raise ValueError(f"upstream {base_url}: only http:// workers are supported")
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 80
+        self.prefix = u.path.rstrip("/")
+        self.host_header = (u.netloc or self.host).encode("latin-1")
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.loop = asyncio.get_running_loop()
+        self._idle: list[_Conn] = []
+        self.closed = False
+
+    def _put(self, c: _Conn) -> None:
+        if self.closed or len(self._idle) >= self.max_idle:
+            c.closed = True
+            c.transport.close()
+        else:
+            self._idle.append(c)
+
+    async def _connect(self) -> _Conn:
+        try:
+            _, c = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Conn(self), self.host, self.port), self.connect_timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamHTTPError("connect", f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as e:
+            raise UpstreamHTTPError("connect", f"cannot connect to {self.host}:{self.port}: "
+                                               f"{e.strerror or type(e).__name__}") from None
+        return c
+
+    async def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] = (),
+                      timeout: float | None = None) -> Response:
+        """Send a request and wait for the response head (at most ``timeout`` s of silence)."""
+        head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode("latin-1"), b"host: ", self.host_header,
+                b"\r\ncontent-length: ", str(len(body)).encode(), b"\r\n"]
+        for k, v in headers:
+            head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        head.append(b"\r\n")
+        msg = b"".join(head) + body
+        for attempt in range(2):
+            reused = False
+            c = None
+            while self._idle:
+                c = self._idle.pop()
+                if not c.closed and not c.transport.is_closing():
+                    reused = True
+                    break
+                c = None
+            if c is None:
+                c = await self._connect()
+            c.transport.write(msg)
+            try:
+                while c.status is None:
+                    if c.closed:
+                        raise UpstreamHTTPError("closed", "upstream closed the connection before answering")
+                    await c.wait(timeout)
+            except UpstreamHTTPError as e:
+                c.closed = True
+                c.transport.close()
+                # a kept-alive connection the server had already closed: resend once on a fresh one
+                if reused and attempt == 0 and e.kind == "closed" and not c.got_bytes:
+                    continue
+                raise
+            except BaseException:
+                c.closed = True
+                c.transport.close()
+                raise
+            return Response(c)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        self.closed = True
+        for c in self._idle:
+            c.closed = True
+            c.transport.close()
+        self._idle.clear()
