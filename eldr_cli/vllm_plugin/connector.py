@@ -64,8 +64,20 @@ class EldrWorkerMetadata(KVConnectorWorkerMetadata):
         return EldrWorkerMetadata(inner=inner, signatures=sigs)
 
 
-class _NoConnector:
-    """Inner connector when EldrSignatureConnector is used on its own: nothing to transfer."""
+class _NoConnector(KVConnectorBase_V1):
+    """Inner connector when EldrSignatureConnector is used on its own: transfers nothing."""
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self):
+        return None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return 0, False
@@ -74,23 +86,7 @@ class _NoConnector:
         return None
 
     def build_connector_meta(self, scheduler_output):
-        return None
-
-    def request_finished(self, request, block_ids):
-        return False, None
-
-    def build_connector_worker_meta(self):
-        return None
-
-    def __getattr__(self, name):
-        base = getattr(KVConnectorBase_V1, name, None)
-        if base is None or not callable(base):
-            raise AttributeError(name)
-
-        def noop(*args, **kwargs):
-            return None
-
-        return noop
+        return KVConnectorMetadata()
 
 
 class EldrSignatureConnector(KVConnectorBase_V1):
@@ -98,7 +94,9 @@ class EldrSignatureConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config=None, role=None, kv_cache_config=None, *, inner=None):
         # KVConnectorBase_V1.__init__ is deliberately not called: all state lives in ``inner``.
-        object.__setattr__(self, "_inner", inner if inner is not None else _NoConnector())
+        if inner is None:
+            inner = _NoConnector(vllm_config, role, kv_cache_config)
+        object.__setattr__(self, "_inner", inner)
         self._eldr_role = role
         self._eldr_block_size = int(vllm_config.cache_config.block_size) if vllm_config is not None else 16
         self._eldr_pending: dict[str, tuple[np.ndarray | None, int, str]] = {}
@@ -108,6 +106,11 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         self._eldr_complete: list = []
         self._eldr_kv_manager = None
         self._eldr_warned: set[str] = set()
+        if isinstance(inner, _NoConnector) and role == KVConnectorRole.SCHEDULER:
+            from eldr_cli.vllm_plugin import ENV, enabled
+
+            if not enabled():
+                _log().warning("EldrSignatureConnector is configured but %s=1 is not set: no signatures", ENV)
         if role == KVConnectorRole.WORKER and kv_cache_config is not None and vllm_config is not None:
             STATE.allocate(kv_cache_config, vllm_config)
 
@@ -226,8 +229,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
             STATE.begin_step(connector_metadata.invalid)
             self._eldr_complete = connector_metadata.complete
             connector_metadata = connector_metadata.inner
-        if connector_metadata is not None or not isinstance(self._inner, _NoConnector):
-            self._inner.bind_connector_metadata(connector_metadata)
+        self._inner.bind_connector_metadata(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         STATE.end_step()

@@ -24,6 +24,11 @@ def example_connector(storage: str | Path, role: str = "kv_producer") -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
 
 
+# The plugin's connector used on its own (single-instance serving that still wants signatures).
+ELDR_CONNECTOR = {"kv_connector": "EldrSignatureConnector", "kv_role": "kv_producer",
+                  "kv_connector_module_path": "eldr_cli.vllm_plugin.connector"}
+
+
 @dataclass
 class VllmServer:
     proc: subprocess.Popen
