@@ -79,7 +79,7 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
             res[b] = statistics.median(us)
         for b in backends:
             gbs = moved / (res[b] * 1e-6) / 1e9
-            rows.append({"kernel": "accumulate (one MoE layer)", "backend": b, "device": str(device), "tokens": T,
+            rows.append({"kernel": "accumulate", "size": f"{T} tok, 1 layer", "backend": b, "device": str(device), "tokens": T,
                          "us_per_call": round(res[b], 2), "effective_GBps": round(gbs, 3),
                          "pct_of_peak": round(100 * gbs / peak, 2) if peak else None,
                          "ratio_vs_triton": round(res[b] / res["triton"], 2) if "triton" in res else None})
@@ -87,7 +87,7 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
         us = _timeit(lambda: (sck.begin_forward(sc[backends[-1]], slots, tb),
                               [sck.accumulate(sc[backends[-1]], ids, tok, layer, backend=backends[-1]) for layer in range(L)]),
                      sync, max(3, repeats // 4))
-        rows.append({"kernel": f"per forward (begin + {L} layers)", "backend": backends[-1], "device": str(device),
+        rows.append({"kernel": "capture/forward", "size": f"{T} tok, begin+{L} layers", "backend": backends[-1], "device": str(device),
                      "tokens": T, "us_per_call": round(statistics.median(us), 1), "effective_GBps": None,
                      "pct_of_peak": None, "ratio_vs_triton": None})
     for R, B in ((1, 64), (32, 64), (128, 128)):
@@ -99,7 +99,7 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
             res[b] = statistics.median(us)
         for b in backends:
             gbs = moved / (res[b] * 1e-6) / 1e9
-            rows.append({"kernel": f"reduce ({R} requests x {B} blocks)", "backend": b, "device": str(device),
+            rows.append({"kernel": "reduce", "size": f"{R} req x {B} blocks", "backend": b, "device": str(device),
                          "tokens": R * B * BLOCK, "us_per_call": round(res[b], 2), "effective_GBps": round(gbs, 3),
                          "pct_of_peak": round(100 * gbs / peak, 2) if peak else None,
                          "ratio_vs_triton": round(res[b] / res["triton"], 2) if "triton" in res else None})
@@ -147,10 +147,10 @@ def main() -> None:
         con.print("[bold yellow]No GPU present: timing the torch reference on the CPU only; "
                   "no GPU figures are reported.[/]")
     t = Table(title=f"signature-cache kernels, L={L} E={E} top-{K} block {BLOCK}")
-    for c in ("kernel", "backend", "device", "tokens", "us/call", "GB/s", "% peak", "x vs triton"):
-        t.add_column(c, justify="right" if c not in ("kernel", "backend", "device") else "left")
+    for c in ("kernel", "size", "backend", "device", "us/call", "GB/s", "% peak", "ref/triton"):
+        t.add_column(c, justify="right" if c not in ("kernel", "size", "backend", "device") else "left")
     for r in rows:
-        t.add_row(r["kernel"], r["backend"], r["device"], str(r["tokens"]), f"{r['us_per_call']:.1f}",
+        t.add_row(r["kernel"], r["size"], r["backend"], r["device"], f"{r['us_per_call']:.0f}",
                   "-" if r["effective_GBps"] is None else f"{r['effective_GBps']:.2f}",
                   "-" if r["pct_of_peak"] is None else f"{r['pct_of_peak']:.1f}",
                   "-" if r["ratio_vs_triton"] is None else f"{r['ratio_vs_triton']:.2f}")

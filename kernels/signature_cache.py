@@ -157,14 +157,15 @@ def invalidate_blocks(sc: SignatureCache, block_ids) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def accumulate_reference(cache: torch.Tensor, topk_ids: torch.Tensor, token_blocks: torch.Tensor, layer: int) -> None:
-    """cache[token_blocks[t], layer, topk_ids[t, j]] += 1 for real blocks (< num_rows - 1) and valid ids."""
+    """cache[token_blocks[t], layer, topk_ids[t, j]] += 1 for real blocks (< num_rows - 1) and valid ids.
+    Invalid picks add 0 (no boolean indexing, so no host sync on a GPU)."""
     R, L, E = cache.shape
     T = min(topk_ids.shape[0], token_blocks.shape[0])
     ids = topk_ids[:T].to(torch.int64)
-    blk = token_blocks[:T].to(torch.int64)
-    ok = (blk[:, None] < R - 1) & (blk[:, None] >= 0) & (ids >= 0) & (ids < E)
-    flat = ((blk[:, None] * L + layer) * E + ids)[ok]
-    cache.view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=cache.dtype))
+    blk = token_blocks[:T].to(torch.int64)[:, None]
+    ok = (blk < R - 1) & (blk >= 0) & (ids >= 0) & (ids < E)
+    flat = torch.where(ok, (blk * L + layer) * E + ids, 0).reshape(-1)
+    cache.view(-1).scatter_add_(0, flat, ok.reshape(-1).to(cache.dtype))
 
 
 def accumulate_triton(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.Tensor, layer: int) -> None:
@@ -197,13 +198,13 @@ def accumulate(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.T
 
 def reduce_reference(cache: torch.Tensor, fill: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """block_tables int [R, B] (-1 = no block) -> (sums int32 [R, L, E], fill sums int64 [R])."""
-    R = block_tables.shape[0]
+    R, B = block_tables.shape
     _, L, E = cache.shape
     bt = block_tables.to(torch.int64)
     ok = bt >= 0
     safe = torch.where(ok, bt, 0)
-    rows = cache[safe].to(torch.int32) * ok[:, :, None, None]
-    sums = rows.sum(dim=1, dtype=torch.int32) if R else torch.zeros(0, L, E, dtype=torch.int32, device=cache.device)
+    rows = cache.index_select(0, safe.reshape(-1)).view(R, B, L * E) * ok[:, :, None].to(cache.dtype)
+    sums = rows.sum(dim=1, dtype=torch.int32)
     fills = (fill[safe].to(torch.int64) * ok).sum(dim=1)
     return sums.reshape(R, L, E), fills
 
