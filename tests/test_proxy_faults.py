@@ -60,7 +60,7 @@ def test_prefill_4xx_is_relayed_not_retried(cluster):
     assert r.status_code == 400 and "too long" in r.json()["error"]["message"]
     assert sum(s.stats["prefill_400"] for s in cluster.prefill) == 1
     assert cluster.metric("eldr_proxy_retries_total", role="prefill") == 0
-    assert cluster.app.state.outcomes == {"bad_request": 1}
+    assert cluster.settle() == 0 and cluster.app.state.outcomes == {"bad_request": 1}
 
 
 def test_decode_error_is_502_and_counters_stay_right(cluster):
@@ -68,6 +68,7 @@ def test_decode_error_is_502_and_counters_stay_right(cluster):
     assert r.status_code == 502 and "answered HTTP 500" in r.json()["error"]["message"]
     r = _complete(cluster.url, "[[fault:decode_500]] x", stream=True)
     assert r.status_code == 502
+    assert cluster.settle() == 0
     assert sum(cluster.inflight()) == 0 and cluster.app.state.outcomes == {"upstream_error": 2}
 
 

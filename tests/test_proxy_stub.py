@@ -146,7 +146,7 @@ def test_chat_schema_and_body_limit(cluster):
     # a chunked body without content-length is cut off too
     r = httpx.post(cluster.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 5000, b'"}']))
     assert r.status_code == 413
-    assert cluster.app.state.outcomes == {"bad_request": 1, "too_large": 2}
+    assert cluster.settle() == 0 and cluster.app.state.outcomes == {"bad_request": 1, "too_large": 2}
 
 
 def test_models_health_metrics_404(cluster):

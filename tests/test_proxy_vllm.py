@@ -130,6 +130,9 @@ def test_outputs_through_the_proxy_equal_a_direct_request(vllm_pd, proxy):
     assert got.choices[0].message.content == ref.choices[0].message.content == text
 
     st = app.state
+    t0 = time.monotonic()
+    while st.in_progress and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
     assert st.outcomes == {"ok": n} and st.in_progress == 0
     assert sum(w.inflight for w in [*st.prefill, *st.decode]) == 0
     # every request got a decode decision; without the eldr vLLM plugin the prefill answer carries no

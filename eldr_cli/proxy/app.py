@@ -247,9 +247,9 @@ class ProxyApp:
         try:
             outcome = await self._generate_inner(ctx, clen, receive, send)
         finally:
-            st.in_progress -= 1
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + 1
-            self.metrics.requests.labels(endpoint, outcome).inc()
+            self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
+            st.in_progress -= 1  # last: tests in other threads wait for 0, then read the outcome
             if log.isEnabledFor(logging.INFO):
                 log.info("request", extra={"event": "request", "request_id": rid, "endpoint": endpoint,
                                            "outcome": outcome, "prefill": ctx.get("prefill"),
@@ -344,12 +344,12 @@ class ProxyApp:
             if pw is None:
                 break
             ctx["prefill"] = pw.id
-            m.prefill_dispatch.labels(pw.id).inc()
+            m.child(m.prefill_dispatch, pw.id).inc()
             try:
                 answer = await self._prefill_leg(pw, path, pre_raw, headers)
                 break
             except UpstreamError as e:
-                m.upstream_errors.labels("prefill", pw.id, e.kind).inc()
+                m.child(m.upstream_errors, "prefill", pw.id, e.kind).inc()
                 if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
                     # the worker rejected the request itself: retrying elsewhere would not help
                     ctx["reason"] = f"prefill worker {pw.id} answered {e.status}"
@@ -359,7 +359,7 @@ class ProxyApp:
                 if attempt == 0:
                     pw = st.prefix.choose(st.prefill, key, exclude=pw)
                     if pw is not None:
-                        m.retries.labels("prefill").inc()
+                        m.child(m.retries, "prefill").inc()
         if answer is None:
             ctx["reason"] = "prefill failed: " + ("; ".join(failures) or "no prefill worker")
             await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h])
@@ -384,14 +384,14 @@ class ProxyApp:
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except _ConnectFailed as e:
-                m.upstream_errors.labels("decode", dw.id, "connect").inc()
+                m.child(m.upstream_errors, "decode", dw.id, "connect").inc()
                 loads = [DOWN_LOAD if w.id in tried else l for w, l in zip(st.decode.workers, loads)]
                 nxt = jsq(loads)
                 if st.decode.workers[nxt].id in tried or len(tried) >= 2:
                     ctx["reason"] = f"decode worker {dw.id} ({dw.url}) unreachable: {e}"
                     await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h])
                     return "upstream_error"
-                m.retries.labels("decode").inc()
+                m.child(m.retries, "decode").inc()
                 idx = nxt
 
     def _decide(self, ctx, ktp):
@@ -409,7 +409,7 @@ class ProxyApp:
             except (SignatureDecodeError, EldrError):
                 sig_state = "malformed"
         if sig_state != "ok":
-            m.signature_missing.labels(sig_state).inc()
+            m.child(m.signature_missing, sig_state).inc()
         loads = st.decode.loads(self.cfg.scrape_metrics)
         idx = policy.choose(loads, signature=signature, domain=ctx["domain"])
         if loads[idx] >= DOWN_LOAD:  # the decision fell on a worker marked down: least-loaded healthy one
@@ -417,12 +417,12 @@ class ProxyApp:
         dt = time.perf_counter() - t0
         pname = st.policy_name
         ctx["policy"] = pname
-        m.decision_seconds.labels(pname).observe(dt)
+        m.child(m.decision_seconds, pname).observe(dt)
         last = getattr(policy, "last", None) if signature is not None else None
         if last is not None:
             m.band_size.observe(len(last.band))
         wid = st.decode.workers[idx].id
-        m.decisions.labels(pname, wid).inc()
+        m.child(m.decisions, pname, wid).inc()
         if self.decision_log is not None:
             self.decision_log.write({
                 "ts": time.time(), "request_id": ctx["rid"], "policy": pname, "tau": st.tau_effective(),
@@ -472,7 +472,7 @@ class ProxyApp:
             except UpstreamHTTPError as e:
                 if e.kind == "connect":
                     raise _ConnectFailed(str(e)) from None
-                m.upstream_errors.labels("decode", w.id, e.kind if e.kind == "timeout" else "connection").inc()
+                m.child(m.upstream_errors, "decode", w.id, e.kind if e.kind == "timeout" else "connection").inc()
                 ctx["reason"] = f"decode worker {w.id}: {e}"
                 await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h])
                 return "upstream_error"
@@ -483,7 +483,7 @@ class ProxyApp:
                     data = await resp.read(rt)
                 except UpstreamHTTPError:
                     data = b""
-                m.upstream_errors.labels("decode", w.id, "status").inc()
+                m.child(m.upstream_errors, "decode", w.id, "status").inc()
                 if 400 <= resp.status < 500:
                     ctx["reason"] = f"decode worker {w.id} answered {resp.status}"
                     await _send(send, resp.status, data or b"{}", [_JSON, rid_h, wid_h, pid_h])
@@ -496,7 +496,7 @@ class ProxyApp:
                 try:
                     data = await resp.read(rt)
                 except UpstreamHTTPError as e:
-                    m.upstream_errors.labels("decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                    m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
                     ctx["reason"] = f"decode worker {w.id} dropped the answer: {e}"
                     await _send_json(send, 502, _err(ctx["reason"], "upstream_error", 502), [rid_h, wid_h, pid_h])
                     return "upstream_error"
@@ -509,7 +509,7 @@ class ProxyApp:
                 async for chunk in resp.iter_chunks(rt):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamHTTPError as e:
-                m.upstream_errors.labels("decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
                 ctx["reason"] = f"decode worker {w.id} stream ended abnormally: {e}"
                 ev = orjson.dumps(_err(ctx["reason"], "upstream_error", 502))
                 await send({"type": "http.response.body", "body": b"data: " + ev + b"\n\n", "more_body": False})
@@ -549,14 +549,16 @@ class ProxyApp:
     async def _admin(self, path, method, scope, receive, send):
         m = self.metrics
         action = path.rsplit("/", 1)[-1]
+        if action not in ("policy", "workers", "reload"):
+            action = "other"  # bounded label values: the path is client-controlled
         token = self.cfg.admin_token
         if not token:
-            m.admin_actions.labels(action, "disabled").inc()
+            m.child(m.admin_actions, action, "disabled").inc()
             return await _send_json(send, 403, _err("admin endpoints are disabled; start the proxy with "
                                                     "--admin-token or ELDR_ADMIN_TOKEN", "permission_error", 403))
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if not hmac.compare_digest(auth, b"Bearer " + token.encode()):
-            m.admin_actions.labels(action, "unauthorized").inc()
+            m.child(m.admin_actions, action, "unauthorized").inc()
             return await _send_json(send, 401, _err("missing or wrong bearer token", "authentication_error", 401),
                                     [(b"www-authenticate", b"Bearer")])
         if method == "GET":
@@ -574,7 +576,7 @@ class ProxyApp:
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as e:
-            m.admin_actions.labels(action, "bad_request").inc()
+            m.child(m.admin_actions, action, "bad_request").inc()
             return await _send_json(send, 400, _err(f"invalid JSON: {e}", "invalid_request_error", 400))
         handler = {"policy": self._admin_policy, "workers": self._admin_workers, "reload": self._admin_reload}.get(action)
         if handler is None:
@@ -582,10 +584,10 @@ class ProxyApp:
         try:
             result = handler(body)
         except _Refused as e:
-            m.admin_actions.labels(action, "refused").inc()
+            m.child(m.admin_actions, action, "refused").inc()
             log.warning("admin refused", extra={"event": "admin", "action": action, "reason": str(e)})
             return await _send_json(send, e.status, _err(str(e), "invalid_request_error", e.status))
-        m.admin_actions.labels(action, "ok").inc()
+        m.child(m.admin_actions, action, "ok").inc()
         log.info("admin", extra={"event": "admin", "action": action, "body": body})
         return await _send_json(send, 200, result)
 
@@ -713,14 +715,14 @@ class ProxyApp:
             w.fail_streak, w.ok_streak = 0, w.ok_streak + 1
             if not w.healthy and w.ok_streak >= cfg.health_success_threshold:
                 w.healthy = True
-                self.metrics.health_transitions.labels(w.role, w.id, "up").inc()
+                self.metrics.child(self.metrics.health_transitions, w.role, w.id, "up").inc()
                 log.warning("worker up", extra={"event": "health", "worker": w.id, "url": w.url, "to": "up"})
         else:
             w.ok_streak, w.fail_streak = 0, w.fail_streak + 1
             w.scraped_running = None
             if w.healthy and w.fail_streak >= cfg.health_fail_threshold:
                 w.healthy = False
-                self.metrics.health_transitions.labels(w.role, w.id, "down").inc()
+                self.metrics.child(self.metrics.health_transitions, w.role, w.id, "down").inc()
                 log.warning("worker down", extra={"event": "health", "worker": w.id, "url": w.url, "to": "down"})
 
 

@@ -70,5 +70,15 @@ class ProxyMetrics:
             self.signature_missing.labels(reason)
         self.retries.labels("prefill")
 
+        self._children: dict = {}
+
+    def child(self, metric, *labels):
+        """``metric.labels(*labels)`` cached (labels() costs a lock and a dict build per call)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,7 +48,8 @@ def _uvicorn_config(app, host: str, port: int, log_level: str = "warning", acces
         loop = "asyncio"
     return uvicorn.Config(app, host=host, port=port, loop=loop, http="httptools", lifespan="on",
                           log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
-                          backlog=4096, timeout_keep_alive=30)
+                          backlog=4096, timeout_keep_alive=30, proxy_headers=False,
+                          server_header=False, date_header=False)
 
 
 def serve(cfg) -> None:
