@@ -18,7 +18,7 @@ app = typer.Typer(
 )
 
 # one module per subcommand (or group); each defines register(app)
-COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate"]
+COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture"]
 
 
 def _register() -> None:

@@ -1,0 +1,94 @@
+"""Stream the staged chunks of a capture or import into one trace artifact (bounded memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.artifacts.store import ArtifactWriter
+from eldr_cli.artifacts.trace import REQUEST_COLUMNS
+from eldr_cli.capture.figures import Aggregates, fig1_domain_heatmap, fig3_prefill_decode
+from eldr_cli.capture.staging import Staging
+from eldr_cli.errors import EldrError
+
+COUNT_ARRAYS = ("prefill_counts", "decode_counts", "prefill_gate_prob", "prefill_gate_logit")
+
+
+def _pad_experts(a: np.ndarray, E: int) -> np.ndarray:
+    if a.shape[-1] == E:
+        return a
+    if a.shape[-1] > E:
+        raise EldrError(f"expert id {a.shape[-1] - 1} out of range for {E} experts")
+    return np.concatenate([a, np.zeros((*a.shape[:-1], E - a.shape[-1]), dtype=a.dtype)], axis=-1)
+
+
+def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, inputs: dict | None = None,
+                   metrics: dict | None = None, figures: bool = True) -> dict:
+    """Write the trace artifact from ``staging``; returns the metrics written to the manifest."""
+    import polars as pl
+
+    L, E, k = model["num_layers"], model["num_experts"], model["top_k"]
+    chunks = staging.chunk_ids()
+    n_total = staging.n_done_requests()
+    if n_total == 0:
+        raise EldrError("no request was captured (every prompt was skipped)",
+                        hint="check the skipped-prompt warnings: prompts too long for the model's context?")
+    first = staging.chunk_arrays(chunks[0])
+    has_gate = "prefill_gate_prob" in first.files
+    has_picks = "decode_picks" in first.files
+    agg = Aggregates(L, E, k)
+    with ArtifactWriter(out, kind="trace", params={**model, **params}, inputs=inputs) as w:
+        rows = 1024
+        w.create_appendable("prefill_counts", (L, E), np.int32, chunk_rows=rows)
+        w.create_appendable("decode_counts", (L, E), np.int32, chunk_rows=rows)
+        w.create_appendable("decode_steps", (), np.int32, chunk_rows=8192)
+        w.create_appendable("prompt_tokens", (), np.int32, chunk_rows=8192)
+        if has_gate:
+            w.create_appendable("prefill_gate_prob", (L, E), np.float32, chunk_rows=rows)
+            w.create_appendable("prefill_gate_logit", (L, E), np.float32, chunk_rows=rows)
+        if has_picks:
+            w.create_appendable("decode_picks", (L, k), np.int16, chunk_rows=8192)
+        steps_all = []
+        for c in chunks:
+            a = staging.chunk_arrays(c)
+            doms = pl.read_parquet(staging.chunk_table(c), columns=["domain"])["domain"].to_list()
+            arrs = {n: _pad_experts(a[n], E) for n in COUNT_ARRAYS if n in a.files}
+            for n, v in arrs.items():
+                w.append_array(n, v)
+            w.append_array("decode_steps", a["decode_steps"])
+            w.append_array("prompt_tokens", a["prompt_tokens"])
+            if has_picks and len(a["decode_picks"]):
+                w.append_array("decode_picks", a["decode_picks"])
+            if (arrs["decode_counts"].max(axis=2, initial=0) > a["decode_steps"][:, None]).any():
+                raise EldrError(f"chunk {c}: decode counts exceed decode steps (corrupt staging data)")
+            steps_all.append(a["decode_steps"].astype(np.int64))
+            agg.update(arrs["prefill_counts"], arrs["decode_counts"], a["prompt_tokens"], a["decode_steps"], doms)
+        steps = np.concatenate(steps_all)
+        if has_picks:
+            w.write_array("decode_offsets", np.concatenate([[0], np.cumsum(steps)]).astype(np.int64))
+        tables = [staging.chunk_table(c) for c in chunks]
+        pl.scan_parquet(tables).select(list(REQUEST_COLUMNS)).sink_parquet(w.path / "requests.parquet")
+        ids = pl.scan_parquet(w.path / "requests.parquet").select(pl.col("request_id").n_unique()).collect().item()
+        if ids != n_total:
+            raise EldrError(f"request ids are not unique in the captured trace ({ids} unique of {n_total})")
+        corr = agg.prefill_decode_corr()
+        finite = corr[np.isfinite(corr)]
+        w.metrics.update({
+            "n_requests": n_total,
+            "prompt_tokens_total": agg.prompt_tokens,
+            "decode_steps_total": agg.decode_steps,
+            "prefill_decode_corr_per_layer": [None if not np.isfinite(x) else round(float(x), 4) for x in corr],
+            "prefill_decode_corr_mean": round(float(finite.mean()), 4) if finite.size else None,
+            "n_domains": len(agg.domain_tokens),
+            **(metrics or {}),
+        })
+        if figures:
+            ids_ = model.get("moe_layer_ids", list(range(L)))
+            if fig1_domain_heatmap(w.figure_path("fig1_domain_experts.png"), agg, ids_) is not None:
+                w.metrics["fig1_layer"] = int(ids_[agg.most_discriminative_layer()])
+            if agg.decode_steps:
+                fig3_prefill_decode(w.figure_path("fig3_prefill_vs_decode.png"), agg, ids_)
+        result = dict(w.metrics)
+    staging.remove()
+    return result

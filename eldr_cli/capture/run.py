@@ -1,0 +1,205 @@
+"""`eldr capture` as a library call: prompts -> backend -> chunked staging -> trace artifact."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.capture.backend import RequestCapture, check_checkpoint, model_fingerprint
+from eldr_cli.capture.prompts import PromptRow, load_prompts, selection_hash
+from eldr_cli.capture.staging import Staging, staging_dir
+from eldr_cli.errors import EldrError
+
+
+@dataclass
+class CaptureResult:
+    out: Path
+    metrics: dict
+    skipped: list[dict] = field(default_factory=list)
+    resumed_requests: int = 0
+    already_complete: bool = False
+
+
+def _progress(enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.text import Text
+
+    from eldr_cli.console import err_console
+
+    class Rates(ProgressColumn):
+        def render(self, task):
+            dt = task.fields.get("busy_s") or 0.0
+            if dt <= 0:
+                return Text("-- req/s  -- tok/s", style="progress.data.speed")
+            return Text(f"{task.fields.get('reqs', 0) / dt:6.2f} req/s {task.fields.get('toks', 0) / dt:8.0f} tok/s",
+                        style="progress.data.speed")
+
+    return Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), Rates(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console, disable=not enabled, transient=False)
+
+
+def _chunk_arrays(caps: list[RequestCapture], E: int, with_gate: bool) -> dict[str, np.ndarray]:
+    L, k = caps[0].decode_picks.shape[1:]
+    arrays = {
+        "prefill_counts": np.stack([c.prefill_counts for c in caps]).astype(np.int32),
+        "decode_counts": np.stack([c.decode_counts(E) for c in caps]).astype(np.int32),
+        "decode_steps": np.array([c.decode_picks.shape[0] for c in caps], dtype=np.int32),
+        "prompt_tokens": np.array([c.prompt_tokens for c in caps], dtype=np.int32),
+        "decode_picks": (np.concatenate([c.decode_picks for c in caps]) if caps
+                         else np.zeros((0, L, k), np.int16)).astype(np.int16),
+    }
+    if with_gate and caps[0].prefill_gate_prob is not None:
+        arrays["prefill_gate_prob"] = np.stack([c.prefill_gate_prob for c in caps]).astype(np.float32)
+        arrays["prefill_gate_logit"] = np.stack([c.prefill_gate_logit for c in caps]).astype(np.float32)
+    return arrays
+
+
+def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_tokens: int = 128,
+                batch_size: int = 8, chunk_size: int = 64, limit: int | None = None, sample: int | None = None,
+                seed: int = 0, eval_fraction: float = 0.2, resume: bool = False, device: str = "cpu",
+                dtype: str = "auto", gate_sums: bool = True, progress: bool = True, log=None,
+                max_requests_before_exit: int | None = None) -> CaptureResult:
+    """Capture expert picks of ``prompts`` on ``model`` into the trace artifact ``out``.
+
+    ``max_requests_before_exit`` is for tests only: stop (as if killed) after that many requests.
+    """
+    from transformers import AutoTokenizer
+
+    from eldr_cli.artifacts.store import MANIFEST, read_manifest
+    from eldr_cli.capture.hf import load_backend
+
+    log = log or (lambda msg: None)
+    out = Path(out)
+    if max_new_tokens < 0:
+        raise EldrError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if batch_size < 1 or chunk_size < 1:
+        raise EldrError("--batch-size and --chunk-size must be >= 1")
+    model_dir = check_checkpoint(model)
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise EldrError(f"{out} exists and is not an eldr artifact; refusing to replace it",
+                        hint="choose an empty or new --out directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, OSError) as e:
+        raise EldrError(f"{model_dir}: cannot load the tokenizer: {str(e).splitlines()[0]}") from None
+    rows = load_prompts(prompts, tokenizer=tok, limit=limit, sample=sample, seed=seed, eval_fraction=eval_fraction)
+    fp_model = model_fingerprint(model_dir)
+    fingerprint = {"model_fingerprint": fp_model, "prompts_selection": selection_hash(rows),
+                   "max_new_tokens": max_new_tokens, "chunk_size": chunk_size, "backend": backend, "dtype": dtype,
+                   "gate_sums": gate_sums}
+    if resume and (out / MANIFEST).is_file() and not staging_dir(out).exists():
+        m = read_manifest(out)
+        p = m.get("params", {})
+        if m.get("kind") != "trace" or p.get("model_fingerprint") != fp_model:
+            raise EldrError(f"cannot resume: {out} is a {m.get('kind')} artifact of another model "
+                            f"({p.get('model', '?')})", hint="choose another --out or drop --resume")
+        if p.get("prompts_selection") != fingerprint["prompts_selection"]:
+            raise EldrError(f"cannot resume: {out} was captured from a different prompt selection",
+                            hint="rerun without --resume to replace it")
+        return CaptureResult(out, m.get("metrics", {}), already_complete=True)
+
+    be = load_backend(backend, model_dir, device=device, dtype=dtype)
+    staging = Staging(out, fingerprint)
+    resumed = 0
+    if resume and staging.exists():
+        staging.load()
+        resumed = staging.n_done_requests()
+        log(f"resuming: {len(staging.chunk_ids())} chunks ({resumed} requests) already captured")
+    else:
+        if staging.exists():
+            log(f"discarding an earlier interrupted capture in {staging.dir} (pass --resume to continue it)")
+        staging.start_fresh()
+
+    n_chunks = (len(rows) + chunk_size - 1) // chunk_size
+    E = be.num_experts
+    t_start = time.perf_counter()
+    busy = 0.0
+    n_req = n_tok = 0
+    processed = 0
+    with _progress(progress) as bar:
+        task = bar.add_task("capture", total=len(rows), reqs=0, toks=0, busy_s=0.0)
+        for c in range(n_chunks):
+            chunk_rows = rows[c * chunk_size:(c + 1) * chunk_size]
+            if staging.done(c):
+                bar.advance(task, len(chunk_rows))
+                continue
+            t0 = time.perf_counter()
+            toks, keep, skipped = [], [], []
+            for r in chunk_rows:
+                ids = be.tokenize(r.text)
+                if not ids:
+                    skipped.append({"request_id": r.request_id, "reason": "empty prompt", "prompt_tokens": 0})
+                elif len(ids) + max_new_tokens + 1 > be.max_len:
+                    skipped.append({"request_id": r.request_id, "reason": "too long", "prompt_tokens": len(ids)})
+                    log(f"[yellow]warning:[/] skipping {r.request_id}: {len(ids)} prompt tokens + "
+                        f"{max_new_tokens} new tokens exceed the model context ({be.max_len})")
+                else:
+                    toks.append(ids)
+                    keep.append(r)
+            caps: list[RequestCapture | None] = [None] * len(keep)
+            order = sorted(range(len(keep)), key=lambda i: -len(toks[i]))   # similar lengths -> less padding
+            for b in range(0, len(order), batch_size):
+                idx = order[b:b + batch_size]
+                res = be.run_batch([toks[i] for i in idx], max_new_tokens, gate_sums=gate_sums)
+                for i, cap in zip(idx, res):
+                    caps[i] = cap
+                n_tok += sum(len(toks[i]) + max_new_tokens for i in idx)
+                n_req += len(idx)
+                bar.update(task, advance=len(idx), reqs=n_req, toks=n_tok,
+                           busy_s=busy + time.perf_counter() - t0)
+            bar.advance(task, len(skipped))
+            if keep:
+                arrays = _chunk_arrays(caps, E, gate_sums)
+                table = [{"request_id": r.request_id, "domain": r.domain, "language": r.language,
+                          "prompt_tokens": len(t), "decode_tokens": max_new_tokens, "source": r.source,
+                          "split": r.split, "prompt": r.text} for r, t in zip(keep, toks)]
+            else:
+                arrays, table = None, []
+            busy += time.perf_counter() - t0
+            if arrays is None:
+                staging.state["chunks"][str(c)] = {"n": 0}
+                staging.state["skipped"].extend(skipped)
+                staging._write_state()
+            else:
+                staging.write_chunk(c, arrays, table, skipped, {"busy_s": round(time.perf_counter() - t0, 3)})
+            processed += len(keep)
+            if max_requests_before_exit is not None and processed >= max_requests_before_exit:
+                raise KeyboardInterrupt
+    wall = time.perf_counter() - t_start
+    skipped_all = staging.state["skipped"]
+    params = {"model": str(model_dir), "family": be.family, "backend": backend,
+              "model_fingerprint": fp_model, "prompts_file": str(prompts),
+              "prompts_selection": fingerprint["prompts_selection"], "max_new_tokens": max_new_tokens,
+              "limit": limit, "sample": sample, "seed": seed, "eval_fraction": eval_fraction,
+              "batch_size": batch_size, "chunk_size": chunk_size, "dtype": dtype, "device": device,
+              "decode_steps_convention": "decode step s feeds generated token s; EOS ignored"}
+    model_facts = {"model": str(model_dir), "num_layers": be.num_layers, "num_experts": E, "top_k": be.top_k,
+                   "moe_layer_ids": be.moe_layer_ids, "family": be.family}
+    metrics = {"n_skipped_too_long": sum(1 for s in skipped_all if s["reason"] == "too long"),
+               "n_skipped_empty": sum(1 for s in skipped_all if s["reason"] == "empty prompt"),
+               "n_selected": len(rows), "capture_wall_s": round(wall, 3),
+               "requests_per_s": round(n_req / busy, 3) if busy else None,
+               "tokens_per_s": round(n_tok / busy, 1) if busy else None,
+               "n_resumed_requests": resumed,
+               "n_calibration": None, "n_evaluation": None}
+    kept_ids = None
+    if rows:
+        skipped_ids = {s["request_id"] for s in skipped_all}
+        kept_ids = [r for r in rows if r.request_id not in skipped_ids]
+        metrics["n_calibration"] = sum(r.split == "calibration" for r in kept_ids)
+        metrics["n_evaluation"] = sum(r.split == "evaluation" for r in kept_ids)
+    written = _assemble(staging, out, model_facts, params, prompts, metrics)
+    return CaptureResult(out, written, skipped=skipped_all, resumed_requests=resumed)
+
+
+def _assemble(staging, out, model_facts, params, prompts, metrics) -> dict:
+    from eldr_cli.capture.assemble import assemble_trace
+
+    return assemble_trace(staging, out, model=model_facts, params=params, inputs={"prompts": prompts},
+                          metrics=metrics)
+
+

@@ -1,0 +1,103 @@
+"""Chunked, resumable capture output.
+
+A running capture writes flushed chunks into a staging directory next to the output,
+``.<out>.partial/``: ``chunk-000007.npz`` (the chunk's arrays) + ``chunk-000007.parquet`` (its
+request rows), each written to a temporary name and renamed, then ``state.json`` (rewritten
+atomically) lists the finished chunks. A killed capture therefore leaves only whole chunks;
+``--resume`` checks the fingerprint (model, prompt selection, capture parameters) and
+continues at the first unfinished chunk. When all chunks are done they are streamed, chunk by
+chunk, into the trace artifact (Zarr appendable arrays) through ``ArtifactWriter``, which
+renames it into place atomically, and the staging directory is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+
+STATE = "state.json"
+
+
+def staging_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def _atomic_write_bytes(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class Staging:
+    def __init__(self, out: Path, fingerprint: dict):
+        self.out = Path(out)
+        self.dir = staging_dir(self.out)
+        self.fingerprint = fingerprint
+        self.state: dict = {"fingerprint": fingerprint, "chunks": {}, "skipped": []}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return (self.dir / STATE).is_file()
+
+    def load(self) -> None:
+        try:
+            st = json.loads((self.dir / STATE).read_text())
+        except (json.JSONDecodeError, OSError) as e:
+            raise EldrError(f"cannot resume: {self.dir / STATE} is unreadable ({e})",
+                            hint="rerun without --resume to start over") from None
+        old = st.get("fingerprint", {})
+        diff = [k for k in sorted(set(old) | set(self.fingerprint)) if old.get(k) != self.fingerprint.get(k)]
+        if diff:
+            what = "model" if any(k.startswith("model") for k in diff) else ", ".join(diff)
+            raise EldrError(f"cannot resume {self.out}: the interrupted capture used a different {what} "
+                            f"(differs in: {', '.join(diff)})",
+                            hint="rerun with the same --model/--prompts/options, or without --resume to start over")
+        self.state = st
+
+    def start_fresh(self) -> None:
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True)
+        self._write_state()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _write_state(self) -> None:
+        _atomic_write_bytes(self.dir / STATE, lambda p: p.write_text(json.dumps(self.state, indent=1)))
+
+    # -- chunks ------------------------------------------------------------------------------
+    def done(self, chunk: int) -> bool:
+        return str(chunk) in self.state["chunks"]
+
+    def n_done_requests(self) -> int:
+        return sum(c["n"] for c in self.state["chunks"].values())
+
+    def write_chunk(self, chunk: int, arrays: dict[str, np.ndarray], rows, skipped: list[dict],
+                    stats: dict) -> None:
+        import polars as pl
+
+        base = self.dir / f"chunk-{chunk:06d}"
+        _atomic_write_bytes(base.with_suffix(".npz"), lambda p: np.savez(open(p, "wb"), **arrays))
+        df = pl.DataFrame(rows, schema={"request_id": pl.Utf8, "domain": pl.Utf8, "language": pl.Utf8,
+                                        "prompt_tokens": pl.Int32, "decode_tokens": pl.Int32,
+                                        "source": pl.Utf8, "split": pl.Utf8, "prompt": pl.Utf8})
+        _atomic_write_bytes(base.with_suffix(".parquet"), lambda p: df.write_parquet(p))
+        self.state["chunks"][str(chunk)] = {"n": len(rows), **stats}
+        self.state["skipped"].extend(skipped)
+        self._write_state()
+
+    def chunk_ids(self) -> list[int]:
+        return sorted(int(c) for c in self.state["chunks"])
+
+    def chunk_arrays(self, chunk: int):
+        return np.load(self.dir / f"chunk-{chunk:06d}.npz")
+
+    def chunk_table(self, chunk: int) -> Path:
+        return self.dir / f"chunk-{chunk:06d}.parquet"
