@@ -61,11 +61,11 @@ def _chunk_arrays(caps: list[RequestCapture], E: int, with_gate: bool) -> dict[s
 def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_tokens: int = 128,
                 batch_size: int = 8, chunk_size: int = 64, limit: int | None = None, sample: int | None = None,
                 seed: int = 0, eval_fraction: float = 0.2, resume: bool = False, device: str = "cpu",
-                dtype: str = "auto", gate_sums: bool = True, progress: bool = True, log=None,
-                max_requests_before_exit: int | None = None) -> CaptureResult:
+                dtype: str = "auto", gate_sums: bool = True, progress: bool = True, log=None) -> CaptureResult:
     """Capture expert picks of ``prompts`` on ``model`` into the trace artifact ``out``.
 
-    ``max_requests_before_exit`` is for tests only: stop (as if killed) after that many requests.
+    Bad input raises EldrError before anything is written. An interrupted run leaves its flushed
+    chunks in the staging directory for ``resume=True``.
     """
     from transformers import AutoTokenizer
 
@@ -119,7 +119,6 @@ def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_t
     t_start = time.perf_counter()
     busy = 0.0
     n_req = n_tok = 0
-    processed = 0
     with _progress(progress) as bar:
         task = bar.add_task("capture", total=len(rows), reqs=0, toks=0, busy_s=0.0)
         for c in range(n_chunks):
@@ -166,9 +165,6 @@ def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_t
                 staging._write_state()
             else:
                 staging.write_chunk(c, arrays, table, skipped, {"busy_s": round(time.perf_counter() - t0, 3)})
-            processed += len(keep)
-            if max_requests_before_exit is not None and processed >= max_requests_before_exit:
-                raise KeyboardInterrupt
     wall = time.perf_counter() - t_start
     skipped_all = staging.state["skipped"]
     params = {"model": str(model_dir), "family": be.family, "backend": backend,
