@@ -86,7 +86,7 @@ bench-fit: venv
 	$(BIN)/python benchmarks/bench_fit.py --out bench-results/fit.json
 
 bench-place: venv
-	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json
+	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
 .PHONY: bench-kernels bench-plugin
 bench-kernels: venv  ## signature-cache kernels: Triton vs torch reference on CUDA; reference only on CPU

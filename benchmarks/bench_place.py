@@ -134,10 +134,13 @@ def bench_generated(work: Path, quick: bool) -> list[dict]:
     return out
 
 
-def bench_tiny(work: Path) -> dict:
-    """Capture a trace from the tiny MoE with `eldr capture` (if that command exists) and evaluate it."""
+def bench_tiny(work: Path, trace: Path | None = None) -> dict:
+    """Capture a trace from the tiny MoE with `eldr capture` (if that command exists) and evaluate it;
+    ``trace`` reuses an earlier capture instead."""
+    if trace is not None:
+        return _evaluate_tiny(trace, work)
     help_txt = subprocess.run([str(ROOT / ".venv/bin/eldr"), "--help"], capture_output=True, text=True).stdout
-    if " capture " not in help_txt and "capture" not in help_txt.split():
+    if "capture" not in help_txt.replace("│", " ").split():
         return {"skipped": "`eldr capture` is not available in this checkout"}
     from eldr_cli.models.tiny import build_tiny_moe
 
@@ -147,19 +150,27 @@ def bench_tiny(work: Path) -> dict:
         prompts = Path("/work/shared/data/prompts/task.jsonl")
     cmd = [str(ROOT / ".venv/bin/eldr"), "capture", "--model", str(model), "--prompts", str(prompts),
            "--out", str(work / "tiny-trace")]
-    extra = os.environ.get("BENCH_PLACE_CAPTURE_ARGS", "--sample 300 --max-new-tokens 32 --no-progress").split()
+    extra = os.environ.get("BENCH_PLACE_CAPTURE_ARGS", "--sample 120 --max-new-tokens 32 --no-progress").split()
     p = subprocess.run(cmd + extra, capture_output=True, text=True)
     if p.returncode != 0:
         return {"skipped": f"`eldr capture` failed: {p.stderr.strip()[-400:]}"}
+    r = _evaluate_tiny(work / "tiny-trace", work)
+    r["capture_command"] = " ".join(["eldr", *cmd[1:], *extra])
+    return r
+
+
+def _evaluate_tiny(trace: Path, work: Path) -> dict:
     from eldr_cli.artifacts.trace import read_trace
 
-    t = read_trace(work / "tiny-trace", with_picks=True)
+    t = read_trace(trace, with_picks=True)
     if t.decode_picks is None:
         return {"skipped": "captured trace has no per-step decode picks"}
     E = t.num_experts
     R = 4 if E % 4 == 0 else 2
-    r = _evaluate(work / "tiny-trace", work / "tiny", decoders=4, ep_size=R, batch=8, pairs=5000)
-    r.update({"trace": f"captured tiny-{t.model.get('family', 'qwen3_moe')}",
+    (work / "tiny").mkdir(parents=True, exist_ok=True)
+    r = _evaluate(trace, work / "tiny", decoders=4, ep_size=R, batch=8, pairs=5000)
+    r.update({"trace": f"captured tiny random-weight {t.model.get('family', 'qwen3_moe')}",
+              "trace_path": str(trace),
               "L": t.num_layers, "E": E, "top_k": t.top_k, "n_requests": t.n_requests})
     return r
 
@@ -170,12 +181,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="one generated configuration only")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny-model capture")
+    ap.add_argument("--tiny-trace", type=Path, help="reuse a trace captured from the tiny model")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(highlight=False, width=max(150, shutil.get_terminal_size().columns))
+    con = Console(highlight=False, width=max(180, shutil.get_terminal_size().columns))
     work = Path(tempfile.mkdtemp(prefix="bench-place-"))
     res = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                        "cpus": os.cpu_count()}}
@@ -195,7 +207,7 @@ def main(argv=None):
 
     rows = bench_generated(work / "generated", a.quick)
     if not a.no_tiny:
-        tiny = bench_tiny(work / "tiny")
+        tiny = bench_tiny(work / "tiny", a.tiny_trace)
         if "skipped" in tiny:
             con.print(f"[yellow]tiny-model trace skipped:[/] {tiny['skipped']}")
             res["tiny_model"] = tiny
