@@ -191,6 +191,8 @@ def parse_trace_file(path: str):
             raise BadTraceFile("negative expert id")
         E = max(E, int(picks_arr.max()) + 1)
         picks = np.sort(picks_arr, axis=-1).astype(np.int16)
+    if prefill.shape[1] < E:
+        prefill = np.concatenate([prefill, np.zeros((L, E - prefill.shape[1]), np.int32)], axis=1)
     return tuple(layers), prefill, picks, T, E
 
 

@@ -1,0 +1,98 @@
+"""`eldr capture --from-trace`: the Orders-in-Chaos layout, streamed into a trace artifact."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from eldr_cli.artifacts.trace import read_trace
+from eldr_cli.capture import importer
+from eldr_cli.capture.oic_fixtures import write_oic_tree
+from eldr_cli.capture.staging import staging_dir
+from eldr_cli.errors import EldrError
+from eldr_cli.main import run as eldr
+
+
+def _expected(files, E):
+    """Counts straight from the JSON documents, the slow obvious way."""
+    by_id = {}
+    for f in files:
+        moe = f["moe_layers"]
+        pre = np.zeros((len(moe), E), int)
+        for li, l in enumerate(moe):
+            for tok in f["prefill"][str(l)]:
+                for e in tok:
+                    pre[li, e] += 1
+        dec = np.zeros((len(moe), E), int)
+        for st in f["steps"]:
+            for li, l in enumerate(moe):
+                for e in st[str(l)][0]:
+                    dec[li, e] += 1
+        by_id[f["path"]] = (pre, dec, len(f["prefill"][str(moe[0])]), len(f["steps"]))
+    return by_id
+
+
+def test_import_counts_domains_and_null_layers(tmp_path):
+    files = write_oic_tree(tmp_path / "src", n_per_subject=4, num_layers=8, num_experts=16, top_k=2)
+    root = tmp_path / "src" / "acme" / "Tiny-MoE"
+    code = eldr(["capture", "--from-trace", str(root), "--out", str(tmp_path / "t"), "--no-progress"])
+    assert code == 0
+    t = read_trace(tmp_path / "t")
+    assert t.model["moe_layer_ids"] == [1, 3, 5, 7]  # dense (null) layers dropped
+    assert t.prefill_counts.shape == (12, 4, 16) and t.model["top_k"] == 2
+    exp = _expected(files, 16)
+    for r, rid in enumerate(t.column("request_id")):
+        pre, dec, T, N = exp[root / f"{rid}.json"]
+        np.testing.assert_array_equal(t.prefill_counts[r], pre)
+        np.testing.assert_array_equal(t.decode_counts[r], dec)
+        assert t.prompt_tokens[r] == T and t.decode_steps[r] == N
+    assert set(t.column("domain")) == {"law", "medicine", "main"}
+    assert set(t.column("source")) == {"mmlu", "gsm8k"}
+    assert t.column("request_id")[0].count("/") == 2  # <benchmark>/<subject>/<n>
+    assert t.manifest["params"]["num_experts_inferred"] is True
+    assert eldr(["fit", "--trace", str(tmp_path / "t"), "--decoders", "3", "--out", str(tmp_path / "fit"),
+                 "--pairs", "300", "--split", "all"]) == 0
+
+
+def test_fast_parser_equals_json_parser(tmp_path, monkeypatch):
+    files = write_oic_tree(tmp_path, n_per_subject=3, num_layers=6, num_experts=40, top_k=3, seed=5)
+    # a file with keys out of order and extra whitespace: still the same content
+    f0 = files[0]["path"]
+    doc = json.loads(f0.read_text())
+    shuffled = [dict(reversed(list(el.items()))) for el in doc]
+    (f0.parent / "99.json").write_text(json.dumps(shuffled, indent=1))
+    for f in list(f0.parent.glob("*.json")):
+        fast = importer.parse_trace_file(str(f))
+        with monkeypatch.context() as m:
+            m.setattr(importer, "_fast_parse", lambda raw: None)
+            slow = importer.parse_trace_file(str(f))
+        assert fast[0] == slow[0] and fast[3:] == slow[3:]
+        np.testing.assert_array_equal(fast[1], slow[1])
+        np.testing.assert_array_equal(fast[2], slow[2])
+    assert importer._fast_parse(b'[{"1": [[1.5, 2]]}]') is None  # floats -> the JSON path decides
+
+
+def test_bad_files_are_skipped_and_counted(tmp_path, capsys):
+    write_oic_tree(tmp_path / "src", n_per_subject=2)
+    root = tmp_path / "src" / "acme" / "Tiny-MoE"
+    (root / "mmlu" / "law" / "7.json").write_text("[{")
+    (root / "mmlu" / "law" / "8.json").write_text('[{"1": [[1, 2], [3]]}]')
+    assert eldr(["capture", "--from-trace", str(root), "--out", str(tmp_path / "t"), "--no-progress"]) == 0
+    t = read_trace(tmp_path / "t")
+    assert t.n_requests == 6 and t.manifest["metrics"]["n_skipped_files"] == 2
+    assert "skipping" in capsys.readouterr().err
+
+
+def test_import_errors(tmp_path, capsys):
+    write_oic_tree(tmp_path / "two", model="A")
+    write_oic_tree(tmp_path / "two", model="B")
+    (tmp_path / "empty").mkdir()
+    for src, msg in ((tmp_path / "two", "several models"), (tmp_path / "empty", "no *.json"),
+                     (tmp_path / "nope", "not a directory")):
+        assert eldr(["capture", "--from-trace", str(src), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+        assert msg in " ".join(capsys.readouterr().err.split())
+        assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()
+    with pytest.raises(EldrError, match="smaller than"):
+        importer.import_trace(tmp_path / "two" / "acme" / "A", tmp_path / "o2", num_experts=4, progress=False)
