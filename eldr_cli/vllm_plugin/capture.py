@@ -66,6 +66,7 @@ class CaptureState:
     forward_ok: bool = False
     disabled: str | None = None
     backend: str = "auto"
+    _tokens: int = 0
     layer_names: list[str] = field(default_factory=list)
 
     # -- setup -----------------------------------------------------------------------------------
@@ -214,7 +215,11 @@ class CaptureState:
         n = topk_ids.shape[0]
         if layer == 0:
             self.forward_ok = self._begin_forward(n)
+            self._tokens = n
         if not self.forward_ok or self.sc is None:
+            return
+        if n != self._tokens:
+            self._off(f"MoE layer {layer} saw {n} tokens, layer 0 saw {self._tokens}")
             return
         sck.accumulate(self.sc, topk_ids, self.token_blocks[:n], layer, backend=self.backend)
 
