@@ -1,0 +1,67 @@
+"""The plugin's cheap parts (no vLLM engine): activation switch, memory share, signature check."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from eldr_cli import vllm_plugin
+from eldr_cli.vllm_plugin.capture import QWEN3_30B_A3B, CaptureState, signature_share
+from kernels import signature_cache as sck
+
+
+def test_register_is_a_no_op_unless_enabled(monkeypatch):
+    monkeypatch.delenv("ELDR_SIGNATURES", raising=False)
+    monkeypatch.setattr(vllm_plugin, "_registered", False)
+    vllm_plugin.register()
+    assert not vllm_plugin._registered
+    assert "eldr_cli.vllm_plugin.patches" not in sys.modules
+    for off in ("0", "", "no"):
+        monkeypatch.setenv("ELDR_SIGNATURES", off)
+        assert not vllm_plugin.enabled()
+    monkeypatch.setenv("ELDR_SIGNATURES", "1")
+    assert vllm_plugin.enabled()
+
+
+def test_qwen3_30b_a3b_share_is_under_one_percent():
+    # per block: 48 x 128 int8 cells + 4 fill bytes vs 2 (K,V) x 48 layers x 4 heads x 128 x 16 tokens x 2 B
+    share = signature_share(block_size=16, **QWEN3_30B_A3B)
+    assert share == pytest.approx((48 * 128 + 4) / (2 * 48 * 4 * 128 * 16 * 2))
+    assert 0.0039 < share < 0.0040  # 0.391%: the paper's "well under 1%"
+
+
+def _state(num_blocks=8, L=2, E=4, bs=4):
+    st = CaptureState(layers=L, experts=E, top_k=2, bound=True)
+    st.sc = sck.SignatureCache.allocate(num_blocks, L, E, bs, 2)
+    return st
+
+
+def test_signatures_sum_blocks_and_check_token_counts():
+    st = _state()
+    st.sc.cache[1] = 1
+    st.sc.cache[3] = 2
+    st.sc.fill[1], st.sc.fill[3] = 4, 2
+    out = st.signatures([("ok", [1, 3], 6), ("short", [1, 3], 7), ("blocks", [1], 6)])
+    counts, n, why = out["ok"]
+    assert n == 6 and why == "" and counts.dtype == np.int32
+    np.testing.assert_array_equal(counts, np.full((2, 4), 3))
+    assert out["short"][0] is None and "6 captured tokens, prompt has 7" in out["short"][2]
+    assert out["blocks"][0] is None
+    sck.invalidate_blocks(st.sc, [3])
+    counts, _, why = st.signatures([("ext", [1, 3], 6)])["ext"]
+    assert counts is None and "external KV load" in why
+
+
+def test_signatures_when_disabled_name_the_reason():
+    st = CaptureState(disabled="the model has no MoE layers")
+    assert st.signatures([("r", [0], 3)]) == {"r": (None, 3, "the model has no MoE layers")}
+    assert st.signatures([]) == {}
+
+
+def test_capture_is_inert_outside_a_bound_step():
+    st = _state()
+    st.capture(0, torch.zeros(3, 2, dtype=torch.int32))  # not active: nothing touched
+    assert int(st.sc.cache.abs().sum()) == 0 and int(st.sc.fill.abs().sum()) == 0
