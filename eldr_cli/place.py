@@ -357,6 +357,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
         raise EldrError(f"the {split} requests of {trace.path} have no decode steps to replay")
     sc = score_batches(trace, rec, layouts, R)
     generated = trace.model.get("family") == "synthetic" or trace.model.get("model") == "synthetic"
+    source = "generated" if generated else ("imported" if trace.model.get("family") == "imported" else "captured")
     lb = float(sc["lower_bound"].mean())
     metrics = {"n_requests": int(rows.size), "n_batch_steps": int(sc["step"].size),
                "n_global_steps": int(sc["step"].max() + 1), "mean_batch_size": float(sc["batch_size"].mean()),
@@ -366,7 +367,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
                "per_decoder_vs_contiguous": float(sc["per_decoder"].mean() / sc["contiguous"].mean() - 1.0),
                "per_decoder_vs_global_eplb": float(sc["per_decoder"].mean() / sc["global_eplb"].mean() - 1.0),
                "requests_per_decoder": np.bincount(rec["assigned"][rec["assigned"] >= 0], minlength=K).tolist(),
-               "trace_source": "generated" if generated else "captured"}
+               "trace_source": source}
     params = {"policy": policy, "tau": model.tau if tau is None else tau, "batch_size": int(batch_size),
               "split": split, "seed": seed, "ep_size": R, "n_decoders": K,
               "replica_routing": "metro-greedy", "metric": "max activated experts on any EP rank, mean over layers"}

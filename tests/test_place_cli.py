@@ -195,3 +195,23 @@ def test_missing_options_and_trace_without_picks(fitted, placed, tmp_path, capsy
     _expect_error(["place-experts", "evaluate", "--trace", str(nopicks), "--routing", str(fitted / "fit"),
                    "--placement", str(placed), "--out", str(tmp_path / "bad")], capsys)
     assert not (tmp_path / "bad").exists()
+
+
+def test_imported_public_format_trace(tmp_path):
+    """A trace imported from the Orders-in-Chaos layout (GENERATED fixture tree) through place + evaluate."""
+    from eldr_cli.capture.oic_fixtures import write_oic_tree
+
+    write_oic_tree(tmp_path / "tree", n_per_subject=40, num_layers=8, num_experts=16, top_k=2, decode_steps=12)
+    assert run(["capture", "--from-trace", str(tmp_path / "tree"), "--out", str(tmp_path / "trace"),
+                "--no-progress"]) == 0
+    run_fit(tmp_path / "trace", tmp_path / "fit", decoders=3, pairs=2000, figures=False)
+    assert run(["place-experts", "--trace", str(tmp_path / "trace"), "--routing", str(tmp_path / "fit"),
+                "--ep-size", "4", "--out", str(tmp_path / "plc"), "--no-figures"]) == 0
+    ex = json.loads((tmp_path / "plc" / "export" / "decoder-00.json").read_text())
+    assert ex["moe_layer_ids"] == [1, 3, 5, 7] and len(ex["physical_to_logical_map"]) == 4
+    assert run(["place-experts", "evaluate", "--trace", str(tmp_path / "trace"), "--routing", str(tmp_path / "fit"),
+                "--placement", str(tmp_path / "plc"), "--out", str(tmp_path / "ev"), "--no-figures"]) == 0
+    m = Artifact(tmp_path / "ev").metrics
+    assert m["trace_source"] == "imported"
+    mm = m["mean_max_active_per_rank"]
+    assert m["mean_lower_bound"] <= min(mm.values())

@@ -98,7 +98,7 @@ def _print_eval(path: Path) -> None:
     m, p = a.metrics, a.params
     src = m["trace_source"]
     t = Table(title=f"max activated experts per EP rank per decode step (R={p['ep_size']}, policy {p['policy']}, "
-                    f"B={p['batch_size']}; {'GENERATED' if src == 'generated' else 'captured'} trace)")
+                    f"B={p['batch_size']}; {'GENERATED' if src == 'generated' else src} trace)")
     t.add_column("layout")
     t.add_column("mean", justify="right")
     t.add_column("gap to ceil(active/R)", justify="right")
