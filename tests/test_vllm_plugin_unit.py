@@ -65,3 +65,25 @@ def test_capture_is_inert_outside_a_bound_step():
     st = _state()
     st.capture(0, torch.zeros(3, 2, dtype=torch.int32))  # not active: nothing touched
     assert int(st.sc.cache.abs().sum()) == 0 and int(st.sc.fill.abs().sum()) == 0
+
+
+def test_compiled_or_graph_captured_workers_are_refused():
+    from enum import Enum
+    from types import SimpleNamespace
+
+    from eldr_cli.vllm_plugin.patches import _graph_mode
+
+    class Mode(Enum):
+        NONE = 0
+        VLLM_COMPILE = 3
+
+    class Graph(Enum):
+        NONE = 0
+        PIECEWISE = 1
+
+    def cfg(mode, cg):
+        return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=cg))
+
+    assert _graph_mode(cfg(Mode.NONE, Graph.NONE)) is None  # --enforce-eager
+    assert "--enforce-eager" in _graph_mode(cfg(Mode.VLLM_COMPILE, Graph.NONE))
+    assert "PIECEWISE" in _graph_mode(cfg(Mode.NONE, Graph.PIECEWISE))

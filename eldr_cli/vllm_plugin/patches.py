@@ -33,12 +33,28 @@ def _patch_model_loader() -> None:
         if not STATE.bound and STATE.disabled is None and model_config is vllm_config.model_config:
             if vllm_config.kv_transfer_config is None:
                 _warn_no_connector()
+            elif (why := _graph_mode(vllm_config)) is not None:
+                STATE.disabled = why
+                _log().warning("eldr signatures OFF: %s; serving without signatures", why)
             else:
                 STATE.bind_model(model)
         return model
 
     load_model._eldr = True
     BaseModelLoader.load_model = load_model
+
+
+def _graph_mode(vllm_config) -> str | None:
+    """The hooks keep Python state per step (capture on/off, layer-0 setup); torch.compile traces them
+    once and CUDA graphs replay without running them, so only eager forwards are supported."""
+    cc = vllm_config.compilation_config
+    mode = getattr(cc.mode, "value", cc.mode)
+    cg = getattr(cc, "cudagraph_mode", None)
+    cg_name = getattr(cg, "name", str(cg))
+    if mode not in (0, None) or (cg is not None and cg_name != "NONE"):
+        return (f"the capture hooks need eager forwards (compilation mode {getattr(cc.mode, 'name', mode)}, "
+                f"cudagraph mode {cg_name}); start the worker with --enforce-eager")
+    return None
 
 
 def _warn_no_connector() -> None:
