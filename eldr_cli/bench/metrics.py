@@ -39,12 +39,13 @@ def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> f
     cw = np.cumsum(w)
     if cw[-1] <= 0:
         return float("nan")
-    # linear interpolation between order statistics, like numpy's default on expanded samples
+    # linear interpolation between order statistics of the expanded sample (numpy's default)
     pos = q / 100.0 * (cw[-1] - 1)
-    i = int(np.searchsorted(cw, pos + 1, side="left"))
-    j = int(np.searchsorted(cw, pos + 2, side="left"))
+    lo = int(np.floor(pos))
+    i = int(np.searchsorted(cw, lo, side="right"))
+    j = int(np.searchsorted(cw, min(lo + 1, cw[-1] - 1), side="right"))
     i, j = min(i, len(v) - 1), min(j, len(v) - 1)
-    frac = pos - np.floor(pos)
+    frac = pos - lo
     return float(v[i] + (v[j] - v[i]) * frac)
 
 

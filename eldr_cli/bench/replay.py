@@ -62,6 +62,7 @@ class TraceReplay:
         self.cost = cost
         R, L, E = trace.prefill_counts.shape
         self.n_layers, self.num_experts = L, E
+        self.token_scale = cost.token_scale(trace.model.get("top_k"))
         steps = np.asarray(trace.decode_steps, dtype=np.int64)
         self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
         if self.offsets.shape != (R + 1,) or int(self.offsets[-1]) != trace.decode_picks.shape[0]:
@@ -128,12 +129,12 @@ class TraceReplay:
 
     def decode_step_ms(self, rows, tokens_done) -> tuple[float, int]:
         a = self.decode_active(rows, tokens_done)
-        return self.cost.step_ms(a, self.n_layers, len(rows)), a
+        return self.cost.step_ms(a, self.n_layers, len(rows), self.token_scale), a
 
     def prefill_step_ms(self, rows) -> tuple[float, int]:
         a = self.prefill_active(rows)
         tokens = int(self.prompt_tokens[np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
-        return self.cost.step_ms(a, self.n_layers, tokens), a
+        return self.cost.step_ms(a, self.n_layers, tokens, self.token_scale), a
 
 
 def prefill_batch(queue_tokens: list[int], max_batched_tokens: int) -> int:

@@ -31,15 +31,21 @@ class CostModel:
     d_ms: float = 0.0     # non-MoE, per token (= per running decode request) per layer
     source: str = "measured"
     device: str = "cpu"
+    top_k: int | None = None  # experts per token in the timed layer (scales the per-token MoE term)
 
-    def step_ms(self, active_total: float, n_layers: int, tokens: float) -> float:
+    def token_scale(self, top_k: int | None) -> float:
+        """A token's expert compute grows with its top-k: a trace of a top-4 model on a cost model timed
+        at top-8 pays half the per-token MoE term (the expert-weight term b is unaffected)."""
+        return float(top_k) / self.top_k if top_k and self.top_k else 1.0
+
+    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0) -> float:
         """One step: ``active_total`` = sum over the L layers of distinct active experts."""
-        return (n_layers * (self.a_ms + self.c_ms * tokens + self.e_ms + self.d_ms * tokens)
+        return (n_layers * (self.a_ms + self.c_ms * token_scale * tokens + self.e_ms + self.d_ms * tokens)
                 + self.b_ms * active_total)
 
-    def coefficients(self) -> tuple[float, float, float]:
+    def coefficients(self, token_scale: float = 1.0) -> tuple[float, float, float]:
         """(per-step constant per layer, per active expert, per token per layer) for fast loops."""
-        return (self.a_ms + self.e_ms, self.b_ms, self.c_ms + self.d_ms)
+        return (self.a_ms + self.e_ms, self.b_ms, self.c_ms * token_scale + self.d_ms)
 
     def as_params(self) -> dict:
         return asdict(self)
@@ -55,7 +61,8 @@ class CostModel:
         art = Artifact(p, kind=KIND)
         c = art.params["coefficients_ms"]
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
-                   source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"))
+                   source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
+                   top_k=art.params.get("top_k"))
 
 
 def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,
@@ -64,7 +71,7 @@ def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict |
 
     coeff = {"a": model.a_ms, "b": model.b_ms, "c": model.c_ms, "e": model.e_ms, "d": model.d_ms}
     with ArtifactWriter(out, kind=KIND, params={
-        "kind": "moe-step", "formula": "step_ms = sum_l (a + b*active_l + c*tokens) + L*(e + d*tokens)",
+        "kind": "moe-step", "formula": "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)",
         "coefficients_ms": coeff, "source": model.source, "device": model.device, **(params or {})}) as w:
         for name, df in (tables or {}).items():
             w.write_table(name, df)

@@ -142,7 +142,8 @@ def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int 
     if len(moe_rows) < 3:
         raise EldrError("too few (batch, active experts) points to fit the cost model; give more values")
     model, fit = fit_cost_model(moe_rows, dense_rows)
-    model = CostModel(**{**model.as_params(), "device": f"cpu ({platform.processor() or platform.machine()})"})
+    model = CostModel(**{**model.as_params(), "device": f"cpu ({platform.processor() or platform.machine()})",
+                         "top_k": top_k})
 
     def figures(d: Path):
         plots.moe_layer_cost(d / "fig2_moe_layer.png", moe_rows, model, facts)

@@ -140,7 +140,7 @@ class DecodePool:
         self.qtail = np.zeros(D, dtype=np.int64)
         self.inflight = np.zeros(D, dtype=np.int64)
         self.step_end = np.full(D, INF)
-        k0, kb, kt = replay.cost.coefficients()
+        k0, kb, kt = replay.cost.coefficients(replay.token_scale)
         L = replay.n_layers
         self.k0, self.kb, self.kt = float(L * k0), float(kb), float(L * kt)
         self._alloc_log(log_capacity)
