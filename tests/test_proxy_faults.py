@@ -189,9 +189,15 @@ def test_upstream_pool_resends_on_a_connection_the_server_closed():
         served = []
 
         async def handle(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
             served.append(1)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            if head.startswith(b"GET /big"):  # larger than the client's read-pause high-water mark
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for _ in range(40):
+                    writer.write(b"10000\r\n" + b"x" * 65536 + b"\r\n")
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
             await asyncio.sleep(0.05)
             writer.close()  # closes the "kept-alive" connection behind the client's back
@@ -205,6 +211,10 @@ def test_upstream_pool_resends_on_a_connection_the_server_closed():
             bodies.append(await r.read(5))
             r.release()
             await asyncio.sleep(0.2)
+        r = await pool.request("GET", "/big", timeout=5)
+        big = await r.read(5)
+        r.release()
+        bodies.append(len(big))
         await pool.close()
         srv.close()
         with pytest.raises(UpstreamHTTPError) as e:
@@ -212,5 +222,5 @@ def test_upstream_pool_resends_on_a_connection_the_server_closed():
         return bodies, served, e.value.kind
 
     bodies, served, kind = asyncio.run(run())
-    assert bodies == [b"ok"] * 3 and len(served) == 3
+    assert bodies == [b"ok"] * 3 + [40 * 65536] and len(served) == 4
     assert kind == "connect"

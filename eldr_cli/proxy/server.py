@@ -38,7 +38,8 @@ def setup_logging(level: str = "info") -> None:
     lg.setLevel(level.upper())
 
 
-def _uvicorn_config(app, host: str, port: int, log_level: str = "warning", access_log: bool = False):
+def _uvicorn_config(app, host: str, port: int, log_level: str = "warning", access_log: bool = False,
+                    graceful_s: float = 5):
     import uvicorn
 
     loop = "uvloop"
@@ -47,7 +48,7 @@ def _uvicorn_config(app, host: str, port: int, log_level: str = "warning", acces
     except ImportError:
         loop = "asyncio"
     return uvicorn.Config(app, host=host, port=port, loop=loop, http="httptools", lifespan="on",
-                          log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5,
+                          log_level=log_level, access_log=access_log, timeout_graceful_shutdown=graceful_s,
                           backlog=4096, timeout_keep_alive=30, proxy_headers=False,
                           server_header=False, date_header=False)
 
@@ -78,7 +79,8 @@ class ServerThread:
 
         self.app = app
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(_uvicorn_config(app, self.host, self.port, "critical"))
+        # in-process servers (tests, demo) stop after 1 s of grace, then cancel what still runs
+        self.server = uvicorn.Server(_uvicorn_config(app, self.host, self.port, "critical", graceful_s=1))
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"asgi-{self.port}")
         self.loop: asyncio.AbstractEventLoop | None = None

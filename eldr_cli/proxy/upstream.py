@@ -134,13 +134,19 @@ class Response:
 
     async def read(self, timeout: float | None = None) -> bytes:
         c = self.conn
-        while not c.done:
+        parts = []
+        while True:
+            if c.chunks:
+                parts += c.chunks
+                c.chunks, c.buffered = [], 0
+                if c.paused:  # drained: let the transport read again
+                    c.paused = False
+                    c.transport.resume_reading()
+            if c.done:
+                return b"".join(parts)
             if c.closed:
                 raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
             await c.wait(timeout)
-        data = b"".join(c.chunks)
-        c.chunks = []
-        return data
 
     async def iter_chunks(self, timeout: float | None = None):
         c = self.conn
