@@ -81,6 +81,24 @@ $(ART)/placement/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manife
 $(ART)/placement-eval/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/manifest.json $(ART)/placement/manifest.json $(ART)/fit/.params-placeeval | venv
 	$(ELDR) place-experts evaluate --trace $(TRACE) --routing $(ART)/fit/routing --placement $(ART)/placement --batch-size $(BATCH) --out $(ART)/placement-eval
 
+# -- capture: a calibration trace (default: the tiny random-weight MoE on a task.jsonl sample) -----
+MODEL ?= $(ART)/tiny-moe
+PROMPTS ?= /work/shared/data/prompts/task.jsonl
+CAPTURE_SAMPLE ?= 200
+MAX_NEW_TOKENS ?= 32
+.PHONY: capture bench-capture
+capture: $(ART)/trace/manifest.json
+
+$(ART)/tiny-moe/config.json: | venv
+	$(ELDR) model tiny --family qwen3_moe --out $(ART)/tiny-moe
+
+$(ART)/trace/manifest.json: $(MODEL)/config.json | venv
+	$(ELDR) capture --model $(MODEL) --prompts $(PROMPTS) --sample $(CAPTURE_SAMPLE) --seed $(SEED) \
+	  --max-new-tokens $(MAX_NEW_TOKENS) --out $(ART)/trace
+
+bench-capture: venv  ## hook overhead (mid-size random MoE), peak RSS, Orders-in-Chaos import rate
+	$(BIN)/python benchmarks/bench_capture.py --out bench-results/capture.json
+
 # -- benchmarks -----------------------------------------------------------------------------
 bench-fit: venv
 	$(BIN)/python benchmarks/bench_fit.py --out bench-results/fit.json

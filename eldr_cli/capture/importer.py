@@ -65,7 +65,10 @@ def _fast_parse(raw: bytes):
     """Vectorised parse of the common case (digits, brackets, quoted integer keys, null); None if the
     file uses anything else, then the JSON parser decides. Same result as the JSON path."""
     b = np.frombuffer(raw, dtype=np.uint8)
-    if b.size < 2 or b[0] != 91 or not _ALLOWED[b].all():
+    if b.size < 2 or b[0] != 91:
+        return None
+    hist = np.bincount(b, minlength=256)
+    if hist[~_ALLOWED].any():
         return None
     isd = (b >= 48) & (b <= 57)
     if isd[0] or isd[-1]:
@@ -86,7 +89,7 @@ def _fast_parse(raw: bytes):
     vals = np.add.reduceat(dig, np.concatenate(([0], np.cumsum(lens)[:-1]))).astype(np.int64)
     # strings may only be quoted integer keys: "<digits>"
     is_key = b[starts - 1] == 34
-    if int(np.count_nonzero(b == 34)) != 2 * int(is_key.sum()) or not (b[ends[is_key]] == 34).all():
+    if int(hist[34]) != 2 * int(is_key.sum()) or not (b[ends[is_key]] == 34).all():
         return None
     brace_pos = np.flatnonzero(b == 123)
     elem = np.searchsorted(brace_pos, starts, side="right") - 1

@@ -1,0 +1,231 @@
+"""make bench-capture: capture hook overhead, bounded memory, and trace-import throughput.
+
+1. Hook overhead: the same batched greedy generation (prefill + N decode steps) on a mid-size
+   random-weight MoE (hidden 512, 16 layers, 64 experts, top-4, batch 8) with and without the
+   capture hooks (router hooks + prefill counts + gate sums + per-step picks). Runs alternate
+   (bare, hooked, bare, hooked, ...) and medians are compared: ratio = hooked / bare.
+2. Memory: peak RSS of a real `eldr capture` (tiny model, 128 decode steps) at two request
+   counts, and of the staging -> artifact path at 10,000 requests x 128 steps fed with
+   GENERATED picks (the model is not run there; it measures that flushing keeps memory flat).
+3. Import: `eldr capture --from-trace` on GENERATED Orders-in-Chaos files of ~300 KB, files/s
+   with 1 and 2 parser processes, and its peak RSS at two tree sizes.
+
+Each measurement runs in a child process so peak RSS (ru_maxrss) is its own.
+All models are random-weight; all timings are CPU timings on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = Path(os.environ.get("ELDR_PROMPTS_DIR", "/work/shared/data/prompts")) / "task.jsonl"
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _prompts(n: int, max_chars: int = 2000) -> list[str]:
+    out = []
+    for line in TASK.open():
+        r = json.loads(line)
+        if len(r["prompt"]) <= max_chars:
+            out.append(r["prompt"])
+        if len(out) >= n:
+            break
+    return out
+
+
+# -- children ---------------------------------------------------------------------------------
+def child_overhead(a) -> dict:
+    import torch
+
+    from eldr_cli.capture.hf import TransformersBackend
+    from eldr_cli.models.tiny import build_tiny_moe
+
+    torch.set_num_threads(a.threads)
+    d = Path(a.tmp) / "mid-moe"
+    if not (d / "config.json").is_file():
+        build_tiny_moe(d, "qwen3_moe", num_layers=16, num_experts=64, top_k=4, hidden_size=512, head_dim=64,
+                       vocab_size=4096)
+    be = TransformersBackend(d)
+    toks = [be.tokenize(t)[:a.prompt_tokens] for t in _prompts(a.batch)]
+    be.run_batch(toks, 2)  # warm-up
+    be.run_batch(toks, 2, hooks=False)
+    bare, hooked = [], []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        be.run_batch(toks, a.steps, hooks=False)
+        bare.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        be.run_batch(toks, a.steps, hooks=True, gate_sums=True)
+        hooked.append(time.perf_counter() - t0)
+    return {"bare_s": bare, "hooked_s": hooked, "batch": len(toks), "prompt_tokens": [len(t) for t in toks],
+            "decode_steps": a.steps, "layers": be.num_layers, "experts": be.num_experts, "top_k": be.top_k,
+            "hidden": 512, "threads": a.threads}
+
+
+def child_capture(a) -> dict:
+    from eldr_cli.capture.run import run_capture
+    from eldr_cli.models.tiny import build_tiny_moe
+
+    d = Path(a.tmp) / "tiny-moe"
+    if not (d / "config.json").is_file():
+        build_tiny_moe(d)
+    p = Path(a.tmp) / f"prompts-{a.n}.jsonl"
+    p.write_text("".join(json.dumps({"id": f"q{i}", "prompt": t}) + "\n"
+                         for i, t in enumerate(_prompts(a.n, max_chars=300))))
+    t0 = time.perf_counter()
+    res = run_capture(d, p, Path(a.tmp) / f"trace-{a.n}", max_new_tokens=a.steps, batch_size=8, chunk_size=32,
+                      progress=False)
+    return {"requests": res.metrics["n_requests"], "decode_steps": a.steps, "wall_s": time.perf_counter() - t0,
+            "peak_rss_mb": _rss_mb(), "req_per_s": res.metrics["requests_per_s"],
+            "tok_per_s": res.metrics["tokens_per_s"]}
+
+
+def child_staging(a) -> dict:
+    """GENERATED picks through the real Staging -> assemble_trace path (no model)."""
+    from eldr_cli.capture.assemble import assemble_trace
+    from eldr_cli.capture.staging import Staging
+
+    L, E, k, N, C = 16, 64, 4, a.steps, 256
+    out = Path(a.tmp) / f"staged-{a.n}"
+    st = Staging(out, {"bench": a.n})
+    st.start_fresh()
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    for c in range(0, a.n, C):
+        n = min(C, a.n - c)
+        base = rng.integers(0, E, size=(n * N, L, 1))
+        picks = np.sort((base + np.arange(k) * (E // k)) % E, axis=-1).astype(np.int16)  # k distinct ids
+        dec = np.zeros((n, L, E), np.int32)
+        for i in range(n):
+            flat = picks[i * N:(i + 1) * N].astype(np.int64) + (np.arange(L) * E)[None, :, None]
+            dec[i] = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)
+        pre = rng.integers(0, 30, size=(n, L, E)).astype(np.int32)
+        st.write_chunk(c // C, {"prefill_counts": pre, "decode_counts": dec,
+                                "decode_steps": np.full(n, N, np.int32), "prompt_tokens": np.full(n, 100, np.int32),
+                                "decode_picks": picks},
+                       [{"request_id": f"g{c + i}", "domain": "abcd"[(c + i) % 4], "language": "und",
+                         "prompt_tokens": 100, "decode_tokens": N, "source": "generated", "split": "calibration",
+                         "prompt": ""} for i in range(n)], [], {})
+    assemble_trace(st, out, model={"model": "generated", "num_layers": L, "num_experts": E, "top_k": k,
+                                   "moe_layer_ids": list(range(L))}, params={"generator": "bench"}, figures=False)
+    return {"requests": a.n, "decode_steps": N, "wall_s": time.perf_counter() - t0, "peak_rss_mb": _rss_mb()}
+
+
+def child_import(a) -> dict:
+    from eldr_cli.capture.importer import import_trace
+    from eldr_cli.capture.oic_fixtures import write_oic_tree
+
+    src = Path(a.tmp) / f"oic-{a.n}"
+    per = max(1, a.n // 3)
+    if not src.exists():
+        write_oic_tree(src, n_per_subject=per, num_layers=32, num_experts=64, top_k=8, prompt_tokens=(420, 470),
+                       decode_steps=128)
+    files = sorted(src.rglob("*.json"))
+    size_kb = float(np.mean([f.stat().st_size for f in files[:20]])) / 1024
+    t0 = time.perf_counter()
+    res = import_trace(src / "acme" / "Tiny-MoE", Path(a.tmp) / f"imported-{a.n}-{a.workers}", workers=a.workers,
+                       progress=False)
+    wall = time.perf_counter() - t0
+    return {"files": len(files), "mean_file_kb": size_kb, "workers": a.workers, "wall_s": wall,
+            "files_per_s": len(files) / wall, "peak_rss_mb": _rss_mb(), "requests": res.metrics["n_requests"]}
+
+
+CHILDREN = {"overhead": child_overhead, "capture": child_capture, "staging": child_staging, "import": child_import}
+
+
+def run_child(kind: str, tmp: str, **kw) -> dict:
+    args = [sys.executable, __file__, "--child", kind, "--tmp", tmp] + \
+        [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"{kind} failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results/capture.json")
+    ap.add_argument("--child")
+    ap.add_argument("--tmp")
+    ap.add_argument("--n", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--overhead-steps", type=int, default=64)
+    ap.add_argument("--capture-requests", default="16,48")
+    ap.add_argument("--staging-requests", default="1000,10000")
+    ap.add_argument("--import-files", default="150,600")
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    tmp = tempfile.mkdtemp(prefix="bench-capture-")
+    res: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                             "loadavg_start": os.getloadavg()}}
+    t_all = time.perf_counter()
+    ov = run_child("overhead", tmp, steps=a.overhead_steps, batch=a.batch, prompt_tokens=a.prompt_tokens,
+                   repeats=a.repeats, threads=a.threads)
+    ov["bare_median_s"] = statistics.median(ov["bare_s"])
+    ov["hooked_median_s"] = statistics.median(ov["hooked_s"])
+    ov["ratio"] = ov["hooked_median_s"] / ov["bare_median_s"]
+    res["hook_overhead"] = ov
+    res["capture_rss"] = [run_child("capture", tmp, n=n, steps=a.steps) for n in map(int, a.capture_requests.split(","))]
+    res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps) for n in map(int, a.staging_requests.split(","))]
+    n_small, n_big = map(int, a.import_files.split(","))
+    res["import"] = [run_child("import", tmp, n=n_small, workers=1), run_child("import", tmp, n=n_small, workers=2),
+                     run_child("import", tmp, n=n_big, workers=1)]
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    res["total_s"] = time.perf_counter() - t_all
+
+    t = Table(title="eldr capture benchmark (CPU, random-weight models; picks for staging/import are GENERATED)")
+    t.add_column("measurement")
+    t.add_column("value", justify="right")
+    t.add_column("peer / note")
+    t.add_row(f"generation with hooks (median of {a.repeats})", f"{ov['hooked_median_s']:.2f} s",
+              f"batch {ov['batch']}, {ov['decode_steps']} decode steps, L=16 E=64 k=4 hidden 512")
+    t.add_row("same generation without hooks", f"{ov['bare_median_s']:.2f} s", "peer")
+    t.add_row("hook overhead ratio (hooked / bare)", f"{ov['ratio']:.3f}", "target <= 1.05")
+    for c in res["capture_rss"]:
+        t.add_row(f"capture peak RSS, {c['requests']} req x {c['decode_steps']} steps",
+                  f"{c['peak_rss_mb']:.0f} MB", f"{c['req_per_s']:.2f} req/s, {c['tok_per_s']:.0f} tok/s (tiny model)")
+    for s in res["staging_rss"]:
+        t.add_row(f"staging->artifact peak RSS, {s['requests']} req x {s['decode_steps']} steps",
+                  f"{s['peak_rss_mb']:.0f} MB", f"GENERATED picks, {s['wall_s']:.1f} s")
+    for i in res["import"]:
+        t.add_row(f"import {i['files']} files of {i['mean_file_kb']:.0f} KB, {i['workers']} worker(s)",
+                  f"{i['files_per_s']:.0f} files/s", f"peak RSS {i['peak_rss_mb']:.0f} MB; target >= 100 files/s")
+    t.add_row("machine load average (start -> end)",
+              f"{res['machine']['loadavg_start'][0]:.1f} -> {res['machine']['loadavg_end'][0]:.1f}",
+              f"{os.cpu_count()} cores shared")
+    Console().print(t)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
