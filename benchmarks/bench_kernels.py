@@ -111,8 +111,12 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/kernels.json")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: on a shared machine more threads mostly wait on each other)")
     args = ap.parse_args()
     import torch
+
+    torch.set_num_threads(args.threads)
 
     from eldr_cli.vllm_plugin.capture import QWEN3_30B_A3B, signature_share
     from kernels.signature_cache import cell_dtype
@@ -131,7 +135,7 @@ def main() -> None:
         "NO GPU PRESENT: only the torch reference on the CPU was timed; the Triton kernels were not "
         "timed (their correctness is tested with TRITON_INTERPRET=1, which says nothing about speed).",
         "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
+        "torch": torch.__version__, "torch_threads": args.threads,
         "signature_share_of_kv_qwen3_30b_a3b_block16": share,
         "rows": rows,
     }

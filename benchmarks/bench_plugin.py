@@ -60,6 +60,7 @@ def _capture_cost_us(tokens: int, block_size: int, L: int = 4, E: int = 16, K: i
 
     from kernels import signature_cache as sck
 
+    torch.set_num_threads(1)  # a vLLM CPU worker pins its own threads; 1 avoids measuring contention
     sc = sck.SignatureCache.allocate(4096, L, E, block_size, K)
     g = torch.Generator().manual_seed(0)
     nb = -(-tokens // block_size)

@@ -134,7 +134,11 @@ def begin_forward(sc: SignatureCache, slot_mapping: torch.Tensor, token_blocks_o
     blocks = torch.where(blocks < scratch, blocks, scratch)
     out = token_blocks_out[:T]
     out.copy_(blocks)
-    starts = torch.where(valid & (slots % bs == 0), blocks, scratch)
+    first = valid & (slots % bs == 0)
+    if slots.device.type == "cpu":
+        starts = blocks[first]  # compact: on the CPU a boolean index costs no device sync
+    else:  # no host sync: tokens that start no block re-zero the scratch row instead
+        starts = torch.where(first, blocks, scratch)
     sc.cache.index_fill_(0, starts, 0)
     sc.fill.index_fill_(0, starts, 0)
     sc.fill.index_add_(0, blocks, torch.ones_like(blocks, dtype=torch.int32))
@@ -197,16 +201,19 @@ def accumulate(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.T
 # ---------------------------------------------------------------------------------------------
 
 def reduce_reference(cache: torch.Tensor, fill: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_tables int [R, B] (-1 = no block) -> (sums int32 [R, L, E], fill sums int64 [R])."""
+    """block_tables int [R, B] (-1 = no block) -> (sums int32 [R, L, E], fill sums int64 [R]).
+    Loops over block-table columns like the Triton kernel (temporaries stay [R, L*E])."""
     R, B = block_tables.shape
     _, L, E = cache.shape
     bt = block_tables.to(torch.int64)
     ok = bt >= 0
     safe = torch.where(ok, bt, 0)
-    rows = cache.index_select(0, safe.reshape(-1)).view(R, B, L * E) * ok[:, :, None].to(cache.dtype)
-    sums = rows.sum(dim=1, dtype=torch.int32)
+    flat = cache.view(cache.shape[0], L * E)
+    sums = torch.zeros(R, L * E, dtype=torch.int32, device=cache.device)
+    for j in range(B):
+        sums += flat.index_select(0, safe[:, j]) * ok[:, j, None]
     fills = (fill[safe].to(torch.int64) * ok).sum(dim=1)
-    return sums.reshape(R, L, E), fills
+    return sums.view(R, L, E), fills
 
 
 def reduce_triton(sc: SignatureCache, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,8 +118,13 @@ def engines(tiny_moe_dir, tmp_path_factory):
                                          start_new_session=True)
     srv = start_vllm(tiny_moe_dir, tmp / "A.log", signatures=True, kv_transfer_config=example_connector(tmp / "kv-A"),
                      prefix_caching=True, block_size=BLOCK, num_blocks=NUM_BLOCKS, name="A")
+    # a decode worker reading A's ExampleConnector storage (the PD flow on CPU), plain vLLM
+    dec = start_vllm(tiny_moe_dir, tmp / "dec.log", signatures=False,
+                     kv_transfer_config=example_connector(tmp / "kv-A", role="kv_consumer"),
+                     prefix_caching=True, block_size=BLOCK, name="decode")
     try:
         srv.wait_ready(time.monotonic() + 420)
+        dec.wait_ready(time.monotonic() + 420)
         out = {}
         for name, p in drivers.items():
             rc = p.wait(timeout=420)
@@ -128,10 +133,11 @@ def engines(tiny_moe_dir, tmp_path_factory):
             out[name] = json.loads((tmp / f"{name}.out").read_text())
             out[name + "_log"] = log
         ref = {k: r for k, r in zip(P, out["B"]["ref"])}
-        yield {"A": srv, "P": P, "ref": ref, "B": out["B"], "C": out["C"], "D": out["D"], "tmp": tmp,
+        yield {"A": srv, "dec": dec, "P": P, "ref": ref, "B": out["B"], "C": out["C"], "D": out["D"], "tmp": tmp,
                "model": str(tiny_moe_dir), "B_log": out["B_log"], "D_log": out["D_log"]}
     finally:
         srv.stop()
+        dec.stop()
         for p in drivers.values():
             if p.poll() is None:
                 os.killpg(p.pid, 9)
@@ -245,3 +251,28 @@ def test_model_without_moe_layers_serves_normally_without_signatures(engines):
     pre, gen = engines["D"]["pre"][0], engines["D"]["gen"][0]
     assert SIGNATURE_KEY not in (pre["kv_transfer_params"] or {})
     assert len(gen["token_ids"]) == 8
+
+
+def test_pd_flow_through_the_eldr_proxy_routes_on_the_plugin_signature(engines, tmp_path):
+    """openai client -> eldr serve-proxy (policy eldr) -> prefill A (plugin) -> decode worker."""
+    import openai
+
+    from _proxy_util import build_routing
+    from eldr_cli.proxy import ProxyConfig, ServerThread, create_app
+
+    routing = build_routing(tmp_path / "routing", decoders=1)  # [4 layers, 16 experts] = the tiny model
+    log = tmp_path / "decisions.jsonl"
+    cfg = ProxyConfig(prefill=[engines["A"].url], decode=[engines["dec"].url], routing=str(routing), policy="eldr",
+                      health_interval_s=1.0, decision_log=str(log))
+    app = create_app(cfg)
+    prompts = [r["prompt"][:400] for r in map(json.loads, PROMPTS_FILE.read_text().splitlines()[5000:5003])]
+    with ServerThread(app) as srv:
+        via = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        direct = openai.OpenAI(base_url=engines["dec"].url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for p in prompts:
+            got = via.completions.create(model=engines["model"], prompt=p, max_tokens=8, temperature=0)
+            ref = direct.completions.create(model=engines["model"], prompt=p, max_tokens=8, temperature=0)
+            assert got.choices[0].text == ref.choices[0].text and got.usage.completion_tokens == 8
+    rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    assert len(rows) == len(prompts)
+    assert all(r["signature"] == "ok" for r in rows), rows  # the plugin's signature reached the router
