@@ -54,9 +54,18 @@ def capture_cmd(
         raise EldrError("eldr capture needs --model DIR and --prompts FILE (or --from-trace DIR)")
     from eldr_cli.capture.run import run_capture
 
-    res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                      chunk_size=chunk_size, limit=limit, sample=sample, seed=seed, eval_fraction=eval_fraction,
-                      resume=resume, device=device, dtype=dtype, gate_sums=gate_sums, progress=progress, log=log)
+    try:
+        res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens,
+                          batch_size=batch_size, chunk_size=chunk_size, limit=limit, sample=sample, seed=seed,
+                          eval_fraction=eval_fraction, resume=resume, device=device, dtype=dtype,
+                          gate_sums=gate_sums, progress=progress, log=log)
+    except KeyboardInterrupt:
+        from eldr_cli.capture.staging import staging_dir
+
+        if staging_dir(out).exists():
+            err_console.print(f"interrupted; flushed chunks are kept in {staging_dir(out)}: rerun the same command "
+                              "with --resume to continue")
+        raise
     if res.already_complete:
         console.print(f"{out} is already a complete capture of this model and prompt selection; nothing to do")
     _summary(console, out, res.metrics, title=f"captured {model}")
