@@ -441,6 +441,8 @@ def main():
                 rows[name]["cpu_us_per_request"] = cpu[name][0] / max(1, cpu[name][1]) * 1e6
             return rows
 
+        # a light load first (little queueing: closest to the per-request path cost), then 200 req/s
+        result["latency_50rps"] = measure(50, args.main_duration)
         main_rows = measure(200, args.main_duration)
         result["latency_200rps"] = main_rows
         sweep = {}
@@ -533,7 +535,8 @@ def main():
     t = Table(title="eldr serve-proxy vs vllm-router (stub workers, same load; latencies in ms)")
     for c in ("rate", "router", "ok", "err", "p50", "p99", "added p50", "added p99", "cpu us/req"):
         t.add_column(c, justify="right")
-    for rate, rows in [("200", result["latency_200rps"]), *result["sweep"].items()]:
+    for rate, rows in [("50", result["latency_50rps"]), ("200", result["latency_200rps"]),
+                       *result["sweep"].items()]:
         for name, r in rows.items():
             t.add_row(rate, name, str(r["ok"]), str(r["errors"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
                       f"{r.get('added_p50_ms', 0):.2f}" if name != "direct" else "-",
@@ -545,6 +548,7 @@ def main():
         "decision_median_us": dec["decision_median_us"], "decision_target_us": 20,
         "decision_best_batch_median_us": dec["decision_best_batch_median_us"],
         "handoff_median_us": dec["handoff_median_us"],
+        "eldr_added_p50_ms_at_50": result["latency_50rps"]["eldr"]["added_p50_ms"],
         "eldr_added_p50_ms_at_200": r200["eldr"]["added_p50_ms"], "added_p50_target_ms": 1.0,
         "eldr_added_p99_ms_at_200": r200["eldr"]["added_p99_ms"],
         "eldr_max_rate": result["max_rate_p99_added_below_50ms"]["eldr"],
@@ -557,6 +561,8 @@ def main():
             if r200["vllm-router"]["added_p50_ms"] > 0 else None)
         summary["vllm_router_max_rate"] = result["max_rate_p99_added_below_50ms"]["vllm-router"]
         summary["vllm_router_rr_added_p50_ms_at_200"] = r200["vllm-router rr"]["added_p50_ms"]
+        summary["vllm_router_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router"]["added_p50_ms"]
+        summary["vllm_router_rr_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router rr"]["added_p50_ms"]
         summary["vllm_router_rr_max_rate"] = result["max_rate_p99_added_below_50ms"]["vllm-router rr"]
         rr = r200["vllm-router rr"]["added_p50_ms"]
         summary["ratio_added_p50_eldr_over_vllm_router_rr"] = r200["eldr"]["added_p50_ms"] / rr if rr > 0 else None

@@ -1,6 +1,14 @@
 """serve-proxy in front of REAL vLLM CPU servers: 1 prefill + 2 decode on the tiny MoE checkpoint,
-PD protocol through vLLM's ExampleConnector (disk; on CPU the decoder recomputes the prompt, and the
-prefill answer's kv_transfer_params is null -- the proxy's null path), driven with the `openai` client."""
+driven with the `openai` client.
+
+The prefill server runs the eldr vLLM plugin (ELDR_SIGNATURES=1) with its own KV connector as
+producer, so its answers carry the real prompt expert counts in kv_transfer_params["eldr_signature"]
+and the proxy routes by them. The decoders run vLLM's ExampleConnector as consumers on an empty
+storage directory: on CPU no KV is injected anyway, the decoder recomputes the prompt. (Sharing one
+ExampleConnector directory between prefill and decoders does not work for this: it names a prompt's
+folder after its tokens rounded down to whole blocks, so every prompt shorter than one block maps
+to the same folder and is reported as an external cache hit, whose expert picks the plugin rightly
+refuses to guess.)"""
 
 from __future__ import annotations
 
@@ -13,10 +21,12 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from _proxy_util import build_routing
 from eldr_cli.proxy import ProxyConfig, ServerThread, create_app, free_port
+from eldr_cli.stages.routing import locality_band
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -35,10 +45,16 @@ def _prompts(n=3):
 
 
 def _start_vllm(model_dir, port, role, kv_dir, log_path):
+    prefill = role == "kv_producer"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_DISABLE_COMPILE_CACHE="1", HF_HUB_OFFLINE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
-    ktc = {"kv_connector": "ExampleConnector", "kv_role": role,
-           "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false",
+               ELDR_SIGNATURES="1" if prefill else "0")
+    if prefill:
+        ktc = {"kv_connector": "EldrSignatureConnector", "kv_role": "kv_producer",
+               "kv_connector_module_path": "eldr_cli.vllm_plugin.connector"}
+    else:
+        ktc = {"kv_connector": "ExampleConnector", "kv_role": role,
+               "kv_connector_extra_config": {"shared_storage_path": str(kv_dir)}}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.1", "--enforce-eager",
            "--dtype", "float32", "--max-model-len", "1024", "--kv-transfer-config", json.dumps(ktc)]
@@ -54,7 +70,7 @@ def vllm_pd(tiny_moe_dir, tmp_path_factory):
     try:
         for role, name in roles:
             port = free_port()
-            procs.append(_start_vllm(tiny_moe_dir, port, role, tmp / "kv", tmp / f"{name}.log"))
+            procs.append(_start_vllm(tiny_moe_dir, port, role, tmp / f"kv-{name}", tmp / f"{name}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 420
         for p, u, (_, name) in zip(procs, urls, roles):
@@ -135,16 +151,18 @@ def test_outputs_through_the_proxy_equal_a_direct_request(vllm_pd, proxy):
         time.sleep(0.05)
     assert st.outcomes == {"ok": n} and st.in_progress == 0
     assert sum(w.inflight for w in [*st.prefill, *st.decode]) == 0
-    # every request got a decode decision; without the eldr vLLM plugin the prefill answer carries no
-    # signature (kv_transfer_params is null with ExampleConnector) and the proxy routes it by JSQ
+    # every request was routed by its real signature, and each logged decision is what the shared band
+    # function gives on the logged similarities and loads (identity centroids turn sims into s_k)
     app.decision_log.flush()
     rows = [json.loads(x) for x in open(app.cfg.decision_log)]
     assert len(rows) == n
+    assert [r["signature"] for r in rows] == ["ok"] * n
     for r in rows:
-        if r["signature"] == "ok":
-            assert r["chosen"] in r["band"]
-        else:
-            assert r["signature"] == "missing" and r["band"] is None
+        d = locality_band(np.asarray(r["similarities"]), np.eye(2), r["loads"], r["tau"])
+        assert d.worker == r["chosen"] and d.band.tolist() == r["band"]
+    # the same prompt gives the same signature, hence the same similarities
+    assert rows[0]["similarities"] == pytest.approx(rows[1]["similarities"])
+    assert app.metrics.signature_missing.labels("missing")._value.get() == 0
 
 
 def test_client_disconnect_aborts_the_request_on_the_vllm_decoder(vllm_pd, proxy):
