@@ -145,6 +145,9 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
 
     diffs = [a - b for a, b in zip(lat["on"], lat["off"])]
     med_on, med_off = statistics.median(lat["on"]), statistics.median(lat["off"])
