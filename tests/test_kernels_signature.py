@@ -3,14 +3,33 @@ saturation guard, and the block lifecycle (restart on first token, invalidation,
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels._triton is imported (decoration time)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from kernels import signature_cache as sck
 
-from kernels import signature_cache as sck  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_interpreter():
+    """Triton kernels in interpreter mode for this module only (triton reads TRITON_INTERPRET when a
+    kernel is decorated and again at launch); later tests' vLLM subprocesses must not inherit it."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if "kernels._triton" in sys.modules:
+            importlib.reload(sys.modules["kernels._triton"])
+        else:
+            importlib.import_module("kernels._triton")
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
 
 def _picks(T, E, K, g):
