@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -14,16 +12,22 @@ from kernels import signature_cache as sck
 
 
 def test_register_is_a_no_op_unless_enabled(monkeypatch):
-    monkeypatch.delenv("ELDR_SIGNATURES", raising=False)
+    from eldr_cli.vllm_plugin import patches
+
+    calls = []
+    monkeypatch.setattr(patches, "install", lambda: calls.append(1))
     monkeypatch.setattr(vllm_plugin, "_registered", False)
+    monkeypatch.delenv("ELDR_SIGNATURES", raising=False)
     vllm_plugin.register()
-    assert not vllm_plugin._registered
-    assert "eldr_cli.vllm_plugin.patches" not in sys.modules
+    assert calls == [] and not vllm_plugin._registered
     for off in ("0", "", "no"):
         monkeypatch.setenv("ELDR_SIGNATURES", off)
-        assert not vllm_plugin.enabled()
+        vllm_plugin.register()
+        assert calls == []
     monkeypatch.setenv("ELDR_SIGNATURES", "1")
-    assert vllm_plugin.enabled()
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent: vLLM may call it more than once per process
+    assert calls == [1]
 
 
 def test_qwen3_30b_a3b_share_is_under_one_percent():
