@@ -310,3 +310,21 @@ def test_cli_refuses_k_mismatch(routing4):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "K=4" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_decision_log_parquet_parts(tmp_path):
+    import polars as pl
+
+    from eldr_cli.proxy.decisionlog import DecisionLog
+
+    log = DecisionLog(str(tmp_path / "dec.parquet"), rows_per_part=3)
+    for i in range(5):
+        log.write({"ts": float(i), "request_id": f"r{i}", "policy": "eldr", "tau": 0.1, "signature": "ok",
+                   "similarities": np.array([0.5, 0.25 * i]), "band": np.array([0, 1]), "loads": [i, 0],
+                   "chosen": i % 2, "worker": f"d{i % 2}", "domain": None, "decision_us": 12.5})
+    log.close()
+    parts = sorted(tmp_path.glob("dec-*.parquet"))
+    assert [p.name for p in parts] == ["dec-00000.parquet", "dec-00001.parquet"]
+    df = pl.concat([pl.read_parquet(p) for p in parts])
+    assert df["request_id"].to_list() == [f"r{i}" for i in range(5)]
+    assert df["similarities"].to_list()[4] == [0.5, 1.0] and df["loads"].to_list()[2] == [2, 0]
