@@ -36,9 +36,14 @@ class DecisionLog:
             return
         import polars as pl
 
-        rows = [{**r, "similarities": [float(x) for x in (r.get("similarities") or [])],
-                 "band": [int(x) for x in (r.get("band") or [])],
-                 "loads": [int(x) for x in r.get("loads") or []]} for r in self._rows]
+        def floats(v):
+            return None if v is None else [float(x) for x in v]
+
+        def ints(v):
+            return None if v is None else [int(x) for x in v]
+
+        rows = [{**r, "similarities": floats(r.get("similarities")), "band": ints(r.get("band")),
+                 "loads": ints(r.get("loads"))} for r in self._rows]
         out = self.path.with_name(f"{self.path.stem}-{self._part:05d}.parquet")
         pl.DataFrame(rows, infer_schema_length=None).write_parquet(out)
         self._part += 1
