@@ -109,7 +109,7 @@ def engines(tiny_moe_dir, tmp_path_factory):
             ("D", True, [{"name": "pre", "mode": "prefill", "prompts": [P["a"]]},
                          {"name": "gen", "mode": "generate", "prompts": [P["a"]], "max_tokens": 8}],
              {"model": str(dense), "caching": True, "kv_storage": str(tmp / "kv-D")})):
-        spec = {"block_size": BLOCK, "jobs": job_list, **extra}
+        spec = {"block_size": BLOCK, "num_blocks": 64, "jobs": job_list, **extra}  # 64 blocks: small memory
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         env = dict(os.environ, ELDR_SIGNATURES="1" if on else "0", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -121,7 +121,7 @@ def engines(tiny_moe_dir, tmp_path_factory):
     # a decode worker reading A's ExampleConnector storage (the PD flow on CPU), plain vLLM
     dec = start_vllm(tiny_moe_dir, tmp / "dec.log", signatures=False,
                      kv_transfer_config=example_connector(tmp / "kv-A", role="kv_consumer"),
-                     prefix_caching=True, block_size=BLOCK, name="decode")
+                     prefix_caching=True, block_size=BLOCK, num_blocks=64, name="decode")
     try:
         srv.wait_ready(time.monotonic() + 420)
         dec.wait_ready(time.monotonic() + 420)
