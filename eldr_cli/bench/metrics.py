@@ -33,6 +33,24 @@ def requests_frame(rows: list[dict]):
     return pl.DataFrame(cols, schema=schema)
 
 
+def requests_frame_from_columns(cols: dict, n: int):
+    """The same frame from columns (numpy arrays or lists; None = all null); NaN floats become null."""
+    import polars as pl
+
+    dt = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean, "list[f64]": pl.List(pl.Float64)}
+    series = []
+    for k, v in REQUEST_SCHEMA.items():
+        c = cols.get(k)
+        if c is None:
+            series.append(pl.Series(k, [None] * n, dtype=dt[v]))
+        else:
+            s = pl.Series(k, c, dtype=dt[v], strict=False)
+            if v == "f64":
+                s = s.fill_nan(None)
+            series.append(s)
+    return pl.DataFrame(series)
+
+
 def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
     order = np.argsort(values)
     v, w = values[order], weights[order]
