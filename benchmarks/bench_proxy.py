@@ -383,7 +383,7 @@ def main():
 
     write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
     routing = run_fit(tmp / "trace", tmp / "fit", decoders=2, pairs=2000, figures=False)
-    ports = _free_ports(9)
+    ports = _free_ports(10)
     pre = [f"http://127.0.0.1:{p}" for p in ports[:2]]
     dec_urls = [f"http://127.0.0.1:{p}" for p in ports[2:4]]
     ours_url, peer_url = f"http://127.0.0.1:{ports[4]}", f"http://127.0.0.1:{ports[5]}"
@@ -401,6 +401,13 @@ def main():
                        "--policy", "eldr", "--port", str(ports[4]), "--log-level", "warning"], tmp / "ours.log")
         procs.append(ours)
         _wait_http(ours_url + "/health")
+        # the same proxy with the jsq policy: its cost without the signature handoff
+        ours_jsq_url = f"http://127.0.0.1:{ports[9]}"
+        ours_jsq = _spawn([str(BIN / "eldr"), "serve-proxy", *sum((["--prefill", u] for u in pre), []),
+                           *sum((["--decode", u] for u in dec_urls), []), "--policy", "jsq",
+                           "--port", str(ports[9]), "--log-level", "warning"], tmp / "ours-jsq.log")
+        procs.append(ours_jsq)
+        _wait_http(ours_jsq_url + "/health")
         peers = []
         if not args.skip_peer:
             # the peer twice: its defaults (cache_aware prefill and decode) and round_robin (least work)
@@ -421,7 +428,8 @@ def main():
         def measure(rate, duration, rounds=3):
             """Phases interleaved in `rounds` rounds (direct, eldr, peers, direct, ...) so that drift in
             the machine's other load hits every row alike; latencies pooled per row."""
-            routers = [("eldr", ours, ours_url)] + [(name, p, u) for name, p, u in peers]
+            routers = [("eldr", ours, ours_url), ("eldr-proxy jsq", ours_jsq, ours_jsq_url)] + \
+                [(name, p, u) for name, p, u in peers]
             pooled = {"direct": None, **{name: None for name, _, _ in routers}}
             cpu = {name: [0.0, 0] for name, _, _ in routers}
             for _ in range(rounds):
@@ -446,14 +454,14 @@ def main():
         main_rows = measure(200, args.main_duration)
         result["latency_200rps"] = main_rows
         sweep = {}
-        best = {"eldr": None, "vllm-router": None, "vllm-router rr": None}
-        alive = {"eldr": True, "vllm-router": bool(peers), "vllm-router rr": bool(peers)}
+        best = {"eldr": None, "eldr-proxy jsq": None, "vllm-router": None, "vllm-router rr": None}
+        alive = {"eldr": True, "eldr-proxy jsq": True, "vllm-router": bool(peers), "vllm-router rr": bool(peers)}
         for rate in [float(x) for x in args.sweep.split(",")]:
             if not any(alive.values()):
                 break
             rows = measure(rate, args.sweep_duration)
             sweep[str(int(rate))] = rows
-            for name in ("eldr", "vllm-router", "vllm-router rr"):
+            for name in best:
                 r = rows.get(name)
                 if r is None or not alive[name]:
                     continue
@@ -473,6 +481,7 @@ def main():
         # 3. soak against our proxy (fresh process with short prefill timeout, from a config file);
         # stubs restarted with a 2 ms token delay so that client disconnects land mid-stream
         _stop(ours)
+        _stop(ours_jsq)
         _stop(stubs)
         stubs = _spawn([PY, "-m", "eldr_cli.proxy.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
                         "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
@@ -553,6 +562,9 @@ def main():
         "eldr_added_p99_ms_at_200": r200["eldr"]["added_p99_ms"],
         "eldr_max_rate": result["max_rate_p99_added_below_50ms"]["eldr"],
         "eldr_cpu_us_per_request": r200["eldr"]["cpu_us_per_request"],
+        "eldr_proxy_jsq_added_p50_ms_at_200": r200["eldr-proxy jsq"]["added_p50_ms"],
+        "eldr_proxy_jsq_cpu_us_per_request": r200["eldr-proxy jsq"]["cpu_us_per_request"],
+        "eldr_proxy_jsq_max_rate": result["max_rate_p99_added_below_50ms"]["eldr-proxy jsq"],
     }
     if "vllm-router" in r200:
         summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
