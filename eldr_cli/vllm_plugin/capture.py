@@ -2,20 +2,22 @@
 
 Lifecycle
 ---------
-1. ``bind_model(model, vllm_config)`` right after the model loads: one ``set_capture_fn`` per MoE
-   layer's ``BaseRouter`` (layers ordered by ``layer_id``). A model without MoE layers, or with a
-   layer whose kernel bypasses ``BaseRouter`` (monolithic kernels), gets one warning and no hooks.
+1. ``bind_model(model, max_tokens)`` right after the model loads (before warm-up/compile): one
+   ``set_capture_fn`` per MoE layer's ``BaseRouter`` (layers ordered by ``layer_id``) and the
+   preallocated ``picks [L, rows, k]`` buffer. A model without MoE layers, or with a layer whose
+   kernel bypasses ``BaseRouter`` (monolithic kernels), gets one warning and no hooks.
 2. ``allocate(kv_cache_config, ...)`` when the worker-side KV connector is created (the KV cache
    size is known then): the cache ``[num_blocks + 1, L, E]`` on the model's device; sizes logged.
 3. Each ``execute_model`` step: the connector binds its metadata (``begin_step``: invalidations,
-   capture on), the forward calls the hooks (layer 0 derives every token's KV block from the forward
-   context's slot mapping and restarts rows of blocks that get their first token; every layer
-   accumulates), then ``signatures(...)`` sums the rows of the requests whose prefill completed.
+   step marked active); during the forward each hook only copies its layer's top-k ids into
+   ``picks`` (no Python state, no host sync: torch.compile traces it once); right after the forward,
+   still inside its forward context, ``after_forward`` maps every token to its KV block from the
+   slot mapping, restarts rows of blocks that get their first token and accumulates all layers'
+   picks; then ``signatures(...)`` sums the rows of the requests whose prefill completed.
 
-Inside the hooks only preallocated tensors are written (the cache, the fills, the token->block
-buffer). Anything the hooks cannot map exactly (a token count that does not match the slot mapping,
-micro-batched forwards, a batch larger than the buffer) switches signatures off for good with one
-warning: a worker never returns a signature it cannot vouch for.
+Anything that cannot be mapped exactly (micro-batched forwards, a forward larger than the buffer,
+a missing slot mapping) switches signatures off for good with one warning: a worker never returns a
+signature it cannot vouch for.
 """
 
 from __future__ import annotations
