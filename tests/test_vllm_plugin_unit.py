@@ -92,3 +92,6 @@ def test_graph_captured_workers_are_refused_compiled_ones_allowed():
 
     assert _graph_mode(cfg(Graph.NONE)) is None  # eager or torch.compile without CUDA graphs
     assert "PIECEWISE" in _graph_mode(cfg(Graph.PIECEWISE)) and "--enforce-eager" in _graph_mode(cfg(Graph.PIECEWISE))
+    dp = cfg(Graph.NONE)
+    dp.parallel_config = SimpleNamespace(data_parallel_size=2)
+    assert "data parallelism" in _graph_mode(dp)

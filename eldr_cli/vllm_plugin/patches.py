@@ -47,6 +47,10 @@ def _patch_model_loader() -> None:
 def _graph_mode(vllm_config) -> str | None:
     """The hook itself is a copy into a preallocated buffer (torch.compile traces it once); CUDA graphs
     should replay it too, but that is untested (no GPU here), so graph capture is refused for now."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is not None and int(getattr(pc, "data_parallel_size", 1) or 1) > 1:
+        # routers may see tokens gathered from other DP ranks: their rows would not match this rank's slots
+        return "data parallelism (data_parallel_size > 1) is not supported by the capture hooks yet"
     cc = vllm_config.compilation_config
     cg = getattr(cc, "cudagraph_mode", None)
     cg_name = getattr(cg, "name", str(cg))
