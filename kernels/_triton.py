@@ -35,9 +35,9 @@ def reduce_kernel(cache_ptr, bt_ptr, out_ptr, B, LE, BLOCK: tl.constexpr):
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     m = offs < LE
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    acc = tl.full([BLOCK], 0, dtype=tl.int32)
     for j in range(0, B):
-        blk = tl.zeros([BLOCK], dtype=tl.int64) + tl.load(bt_ptr + r * B + j).to(tl.int64)
+        blk = tl.full([BLOCK], 0, dtype=tl.int64) + tl.load(bt_ptr + r * B + j).to(tl.int64)
         v = tl.load(cache_ptr + blk * LE + offs, mask=m & (blk >= 0), other=0)
         acc += v.to(tl.int32)
     tl.store(out_ptr + r.to(tl.int64) * LE + offs, acc, mask=m)

@@ -16,7 +16,9 @@ from kernels import signature_cache as sck
 @pytest.fixture(scope="module", autouse=True)
 def _triton_interpreter():
     """Triton kernels in interpreter mode for this module only (triton reads TRITON_INTERPRET when a
-    kernel is decorated and again at launch); later tests' vLLM subprocesses must not inherit it."""
+    kernel is decorated and again at launch); later tests' vLLM subprocesses must not inherit it.
+    (triton.language may already be imported in compiled mode by another test's imports, so the
+    kernels use only builtins such as tl.full, not @jit helpers such as tl.zeros.)"""
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
