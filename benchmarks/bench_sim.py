@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--cost-model", default=None, help="reuse a cost model (default: measure one now)")
     ap.add_argument("--speed-rates", default="20,40,60,80,100")
-    ap.add_argument("--report-rates", default="4,8,12,16,20")
+    ap.add_argument("--report-rates", default="2,4,6,8,10")
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--warmup", type=float, default=30.0)
     ap.add_argument("--lag-rate", type=float, default=200.0)
