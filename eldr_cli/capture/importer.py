@@ -24,7 +24,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 
-CHUNK_FILES = 1024
+CHUNK_FILES = 256
 
 
 @dataclass
