@@ -154,11 +154,15 @@ def _config(family: str, *, num_layers, num_experts, top_k, hidden_size, head_di
         if num_experts % 4:
             raise EldrError("deepseek_v3 tiny models need num_experts divisible by 4 (4 expert groups)")
         common["num_key_value_heads"] = heads
-        return transformers.DeepseekV3Config(
+        cfg = transformers.DeepseekV3Config(
             **common, intermediate_size=hidden_size * 2, moe_intermediate_size=moe_ff, n_routed_experts=num_experts,
-            n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=64,
-            q_lora_rank=None, qk_rope_head_dim=head_dim // 2 if head_dim >= 64 else 32, qk_nope_head_dim=head_dim,
+            n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=256,
+            q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=head_dim,
             v_head_dim=head_dim, norm_topk_prob=True)
+        # what the released DeepSeek-V3 config.json says; vLLM reads these to build the same router
+        cfg.topk_method = "noaux_tc"
+        cfg.scoring_func = "sigmoid"
+        return cfg
     raise EldrError(f"unknown tiny-model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
