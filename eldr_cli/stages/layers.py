@@ -11,9 +11,7 @@ from eldr_cli.stages.signature import (
     PairLayerCache,
     _rank,
     apply_transform,
-    decode_pattern,
-    l2_normalize,
-    pair_cosine_distance,
+    pair_cosine_distance_fast,
     sample_pairs,
     spearman_to_target,
 )
@@ -53,8 +51,10 @@ class LayerSelector:
         R, L, E = pc.shape
         self.n_requests_ = int(keep.sum())
         self.pairs_ = sample_pairs(self.n_requests_, self.n_pairs, self.seed)
-        pattern = decode_pattern(np.asarray(decode_counts)[idx], np.asarray(decode_steps)[idx])
-        t = _rank(pair_cosine_distance(pattern, self.pairs_))
+        # §4.2.1 decode pattern p = counts / steps; pair_cosine_distance_fast normalizes it
+        steps = np.maximum(np.asarray(decode_steps)[idx], 1).astype(np.float32)
+        pattern = np.asarray(decode_counts)[idx].astype(np.float32) / steps[:, None, None]
+        t = _rank(pair_cosine_distance_fast(pattern, self.pairs_))
         t -= t.mean()
         self._target = t
 
@@ -71,7 +71,7 @@ class LayerSelector:
             x = apply_transform(np.asarray(src)[idx], name, idf)
             xs[name] = x
             # all layers: one flat signature per request, so pair dots need no per-layer split
-            d = pair_cosine_distance(l2_normalize(x.reshape(x.shape[0], -1)), self.pairs_)
+            d = pair_cosine_distance_fast(x, self.pairs_)
             self.rho_by_transform_[name] = float(spearman_to_target(d, t)[0])
         if self.transform == "auto":
             servable = {k: v for k, v in self.rho_by_transform_.items() if k in SERVABLE_TRANSFORMS}
