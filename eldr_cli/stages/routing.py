@@ -38,11 +38,11 @@ def locality_band(signature: np.ndarray, centroids: np.ndarray, loads: Sequence[
     band = np.flatnonzero(sims >= sims.max() - tau)
     if band.size == 1:
         return BandDecision(int(band[0]), sims, band)
-    ld = np.asarray(loads)[band]
-    cand = band[ld == ld.min()]
-    if cand.size > 1:
-        cand = cand[np.argmax(sims[cand])][None]
-    return BandDecision(int(cand[0]), sims, band)
+    # K is small: plain Python over the band beats several tiny numpy calls
+    sl = sims.tolist()
+    ld = loads.tolist() if isinstance(loads, np.ndarray) else loads
+    worker = min(band.tolist(), key=lambda k: (ld[k], -sl[k], k))
+    return BandDecision(int(worker), sims, band)
 
 
 def jsq(loads, rng=None) -> int:
