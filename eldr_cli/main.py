@@ -61,9 +61,9 @@ def run(argv: list[str] | None = None) -> int:
             return e.exit_code
         if isinstance(e, click.exceptions.Exit):
             return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
-            print("aborted", file=sys.stderr)
-            return 1
+        if isinstance(e, click.exceptions.Abort):  # click turns Ctrl-C into Abort
+            print("interrupted", file=sys.stderr)
+            return 130
         raise
     return 0
 
