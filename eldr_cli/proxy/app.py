@@ -316,6 +316,8 @@ class ProxyApp:
             pass
         except Exception:  # the leg failed while being cancelled: the client is gone anyway
             pass
+        if ctx.get("delivered"):  # the client closed after reading [DONE]: a complete answer
+            return "ok"
         ctx["reason"] = "client disconnected"
         return "cancelled"
 
@@ -508,6 +510,9 @@ class ProxyApp:
             try:
                 async for chunk in resp.iter_chunks(rt):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if chunk.rstrip().endswith(b"data: [DONE]"):
+                        # the whole answer is with the client; it may hang up before the upstream ends
+                        ctx["delivered"] = True
             except UpstreamHTTPError as e:
                 m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
                 ctx["reason"] = f"decode worker {w.id} stream ended abnormally: {e}"
