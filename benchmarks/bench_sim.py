@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from eldr_cli.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
@@ -42,22 +43,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _free_base(n):
-    for _ in range(100):
-        b = _free_port()
-        ok = True
-        for p in range(b, b + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return b
-    raise RuntimeError("no free ports")
 
 
 def _start(args, log, env=None):
@@ -316,7 +301,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
     from eldr_cli.simulator import run_simulate
 
     run_fit(trace, work / "fit4", decoders=4, figures=False)
-    base = _free_base(7)
+    base = free_port_range(7)
     emu = proxy = None
     # 3 req/s: the tiny-model task prompts (~240 tokens) saturate two prefill workers of the CPU cost
     # model near 4 req/s (tests/test_bench_emulator.py checks 10 req/s with a lighter, given cost model)

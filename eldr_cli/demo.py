@@ -21,11 +21,11 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from eldr_cli.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT.parent / "shared" / "data" / "prompts" / "task.jsonl"
@@ -70,26 +70,6 @@ EMBEDDED_PROMPTS = {
               "What burden of proof applies in a civil negligence case?",
               "Is hearsay admissible when the declarant is unavailable and the statement was against interest?"],
 }
-
-
-def _free_base(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 class Procs:
@@ -203,7 +183,7 @@ def main(argv=None) -> int:
         fit = out / "fit"
         _eldr(["fit", "--trace", str(trace), "--decoders", str(a.decode), "--out", str(fit), "--pairs", "5000"])
 
-        base = _free_base(a.prefill + a.decode + 1)
+        base = free_port_range(a.prefill + a.decode + 1)
         cluster = out / "cluster.json"
         cluster.unlink(missing_ok=True)
         py = sys.executable

@@ -6,7 +6,6 @@ counted by `bench serve`."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,30 +17,10 @@ import pytest
 
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.main import run
+from eldr_cli.ports import free_port_range
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-
-
-def _free_base(n: int) -> int:
-    """A base port with n consecutive free ports (dynamic range)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
 
 
 def _wait_http(url: str, timeout: float = 60.0) -> None:
@@ -86,7 +65,7 @@ def cluster(tmp_path_factory):
     # a given cost model (not measured) so the test does not depend on this machine's speed
     write_cost_model(d / "cost", CostModel(a_ms=0.5, b_ms=1.0, c_ms=0.1, e_ms=0.2, d_ms=0.05, source="given",
                                            top_k=4))
-    base = _free_base(7)
+    base = free_port_range(7)
     procs = []
     try:
         procs.append(_start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace",
@@ -177,7 +156,7 @@ def test_pd_protocol_over_openai_client(cluster):
 
 def test_bench_serve_counts_failures_and_rejects_bad_input(tmp_path):
     """Fault injection with the proxy's stub worker: 1 in 4 prompts answers HTTP 500."""
-    port = _free_base(1)
+    port = free_port_range(1)
     p = _start([PY, "-m", "eldr_cli.proxy.stub_worker", "--port", str(port), "--token-delay-s", "0.002"],
                tmp_path / "stub.log")
     try:
@@ -197,7 +176,7 @@ def test_bench_serve_counts_failures_and_rejects_bad_input(tmp_path):
         assert all(req.filter(pl.col("outcome") == "ok")["output_tokens"] == 8)
         assert s["mode"] == "real" and s["median_tpot_ms"] > 0
         # bad input: unreachable URL, no prompts, bad rates -> exit 2, no artifact
-        dead = _free_base(1)
+        dead = free_port_range(1)
         for args in (["--url", f"http://127.0.0.1:{dead}", "--prompts", str(prompts), "--rates", "5"],
                      ["--url", f"http://127.0.0.1:{port}", "--prompts", str(tmp_path / "none.jsonl"), "--rates", "5"],
                      ["--url", f"http://127.0.0.1:{port}", "--prompts", str(prompts), "--rates", "0,5"]):
