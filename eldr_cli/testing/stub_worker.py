@@ -8,7 +8,7 @@ a marker in the prompt text (passes through the proxy unchanged): ``[[fault:KIND
 ``prefill_500 prefill_400 prefill_timeout prefill_nosig prefill_badsig decode_500 decode_drop decode_slow``,
 or for the whole worker with ``StubWorker.fail`` = "500" | "timeout".
 
-Run standalone (for benchmarks): ``python -m eldr_cli.proxy.stub_worker --port P1 --port P2 ...``.
+Run standalone (for benchmarks): ``python -m eldr_cli.testing.stub_worker --port P1 --port P2 ...``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,13 @@ from __future__ import annotations
 import socket
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` right now (the kernel's choice)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def free_port_range(n: int) -> int:
     """A base port such that base..base+n-1 are all free on 127.0.0.1 right now."""
     for _ in range(200):

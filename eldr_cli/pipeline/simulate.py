@@ -1,0 +1,197 @@
+"""Discrete-event simulator of an xPyD cluster (`eldr bench simulate`): the same traces, cost model,
+arrival schedules and routing objects as the emulated cluster, in virtual time, no HTTP.
+
+- prefill: PrefixHash with least-loaded fallback (the proxy's own ``PrefixHashPrefill``), FIFO
+  batches up to a token budget, step time from the cost model over the batch's prompt experts;
+- handoff: the proxy's in-flight decode counts are the loads; the policy from
+  ``eldr_cli.stages.routing.make_policy`` chooses the decode worker (eldr gets the request's
+  signature from ``RoutingModel.signature(prefill counts)``, domain gets the prompt's domain);
+- decode: continuous batching with replayed per-step expert picks (eldr_cli/simulator/core.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.bench.replay import TraceReplay, prefill_batch
+from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule
+from eldr_cli.errors import EldrError
+
+
+def _prefill_chooser(n_prefill: int):
+    """The proxy's PrefixHash prefill choice over simulated workers."""
+    from eldr_cli.proxy.config import ProxyConfig
+    from eldr_cli.proxy.workers import PrefixHashPrefill, WorkerPool
+
+    cfg = ProxyConfig()
+    pool = WorkerPool("prefill", [f"http://sim-prefill-{i}" for i in range(n_prefill)])
+    chooser = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
+    return pool, chooser
+
+
+def check_compatible(replay: TraceReplay, model) -> None:
+    if model is not None and tuple(model.shape) != (replay.n_layers, replay.num_experts):
+        raise EldrError(f"the trace has L={replay.n_layers}, E={replay.num_experts} but the routing artifact "
+                        f"expects {model.shape[0]}x{model.shape[1]}",
+                        hint="fit the routing artifact on a trace of the same model")
+
+
+def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
+                 n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
+                 seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
+                 signatures: dict | None = None) -> tuple[dict, dict, dict]:
+    """One (router, rate) run. Returns (request columns, step log, facts)."""
+    from eldr_cli.stages.routing import make_policy
+
+    policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
+    n = len(schedule)
+    rows_match = [replay.match(prompts[i].prompt) for i in schedule.prompt_index]
+    req_row = np.array([r for r, _ in rows_match], dtype=np.int64)
+    matched = np.array([m for _, m in rows_match], dtype=bool)
+    measured = ~schedule.warmup
+    from eldr_cli.simulator.core import DecodePool
+
+    dec = DecodePool(replay, n_decode, req_row, np.full(n, max_tokens), measured, max_seqs=max_seqs,
+                     log_capacity=max(1 << 14, int(n * 8)))
+    ppool, chooser = _prefill_chooser(n_prefill)
+    pq: list[deque] = [deque() for _ in range(n_prefill)]
+    busy = [False] * n_prefill
+    events: list = []
+    seq = 0
+    sigs = signatures if signatures is not None else {}
+    prefill_done_t = np.full(n, np.nan)
+    ptoks = replay.prompt_tokens
+
+    def start_prefill(p: int, t: float):
+        nonlocal seq
+        q = pq[p]
+        k = prefill_batch([int(ptoks[req_row[r]]) for r in list(q)[:64]], prefill_max_tokens)
+        batch = [q.popleft() for _ in range(k)]
+        ms, _ = replay.prefill_step_ms(req_row[batch])
+        busy[p] = True
+        seq += 1
+        heapq.heappush(events, (t + max(ms, 0.01) / 1e3, seq, p, batch))
+
+    offsets = schedule.offsets
+    i = 0
+    while i < n or events:
+        if i < n and (not events or offsets[i] <= events[0][0]):
+            t = float(offsets[i])
+            w = chooser.choose(ppool, prompts[schedule.prompt_index[i]].prompt)
+            p = ppool.workers.index(w)
+            w.inflight += 1
+            pq[p].append(i)
+            if not busy[p]:
+                start_prefill(p, t)
+            i += 1
+            continue
+        t, _, p, batch = heapq.heappop(events)
+        busy[p] = False
+        ppool.workers[p].inflight -= len(batch)
+        dec.advance(t)
+        for rid in batch:
+            prefill_done_t[rid] = t
+            row = int(req_row[rid])
+            sig = None
+            if policy.needs_signature:
+                sig = sigs.get(row)
+                if sig is None:
+                    sig = sigs[row] = model.signature(replay.prefill_counts(row))
+            d = policy.choose(dec.inflight, signature=sig, domain=prompts[schedule.prompt_index[rid]].domain)
+            dec.admit(int(d), rid, t)
+        if pq[p]:
+            start_prefill(p, t)
+    dec.advance(np.inf)
+    # per-request columns, vectorized (a heavy run has ~15k requests)
+    sent = np.asarray(offsets, dtype=np.float64)
+    first, fin, ntok = dec.req_first, dec.req_finish, dec.req_ntok
+    ok = np.isfinite(fin)
+    pidx = np.asarray(schedule.prompt_index, dtype=np.int64)
+    doms = np.array([it.domain for it in prompts], dtype=object)[pidx]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(ok & (ntok > 1), (fin - first) * 1e3 / np.maximum(ntok - 1, 1), np.nan)
+    cols = {
+        "request_id": [f"sim-{router}-{schedule.rate:g}-{i}" for i in range(n)], "router": [router] * n,
+        "request_rate": np.full(n, schedule.rate), "prompt_index": pidx, "domain": doms.tolist(),
+        "scheduled_s": sent, "sent_s": sent, "lag_ms": np.zeros(n),
+        "ttft_ms": np.where(ok, (first - sent) * 1e3, np.nan), "tpot_ms": tpot,
+        "e2el_ms": np.where(ok, (fin - sent) * 1e3, np.nan), "itl_ms": None,
+        "prompt_tokens": ptoks[req_row].astype(np.int64), "output_tokens": ntok.astype(np.int64),
+        "outcome": np.where(ok, "ok", "incomplete").tolist(), "error": None,
+        "warmup": np.asarray(schedule.warmup, dtype=bool), "decode_worker": dec.req_worker.astype(np.int64),
+    }
+    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum())}
+    if hasattr(policy, "unlabelled"):
+        facts["unlabelled_domain"] = int(policy.unlabelled)
+    return cols, dec.step_log(), facts
+
+
+def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, prompts: str | Path | None = None,
+                 split: str = "evaluation", routers: list[str], rates: list[float], n_prefill: int = 8,
+                 n_decode: int = 16, duration_s: float = 120.0, warmup_s: float = 30.0, max_tokens: int = 512,
+                 burstiness: float = 1.0, routing: str | Path | None = None, tau: float | None = None,
+                 seed: int = 0, max_seqs: int = 256, title: str = "", progress=None) -> Path:
+    """Simulate every (router, rate) and write a bench artifact with mode=simulated."""
+    import polars as pl
+
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.bench.metrics import requests_frame_from_columns, summarize
+    from eldr_cli.bench.results import write_bench
+    from eldr_cli.bench.workload import load_prompts
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.stages.routing import POLICIES, RoutingModel
+
+    for r in routers:
+        if r not in POLICIES:
+            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(POLICIES)}")
+    if n_prefill < 1 or n_decode < 1 or max_tokens < 1:
+        raise EldrError("--prefill, --decode and --max-tokens must be >= 1")
+    cost = CostModel.load(cost_model)
+    tr = read_trace(trace)
+    replay = TraceReplay(tr, cost)
+    model = RoutingModel.load(routing) if routing is not None else None
+    check_compatible(replay, model)
+    if model is None and any(r in ("eldr", "domain") for r in routers):
+        raise EldrError("the eldr and domain routers need --routing (a routing or fit artifact)")
+    items = load_prompts(prompts if prompts is not None else trace, split=None if prompts is not None else split)
+    t0 = time.perf_counter()
+    runs, req_rows, step_frames, facts_all = [], [], [], {}
+    sigs: dict = {}
+    for rate in rates:
+        sched = build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness,
+                               seed=seed)
+        for router in routers:
+            rows, steps, facts = simulate_run(replay, items, sched, router=router, n_prefill=n_prefill,
+                                              n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau,
+                                              seed=seed, max_seqs=max_seqs, signatures=sigs)
+            df = requests_frame_from_columns(rows, len(rows["router"]))
+            meas = steps["measured_itls"]
+            s = summarize(df, request_rate=rate, router=router, mode="simulated", burstiness=burstiness,
+                          itl_values=steps["step_ms"], itl_weights=meas,
+                          extra={"mean_active_experts_per_step": float(steps["active_experts"].mean() / replay.n_layers)
+                                 if len(meas) else None,
+                                 "mean_decode_batch": float(steps["batch"].mean()) if len(meas) else None,
+                                 "decode_steps": int(len(meas)), **facts})
+            runs.append(s)
+            req_rows.append(df)
+            step_frames.append(pl.DataFrame({"router": router, "request_rate": float(rate), **steps}))
+            if progress:
+                progress(router, rate, s)
+    wall = time.perf_counter() - t0
+    inputs = {"trace": trace, "cost_model": cost_model}
+    if routing is not None:
+        inputs["routing"] = routing
+    if prompts is not None:
+        inputs["prompts"] = prompts
+    return write_bench(out, mode="simulated", params={
+        "prefill_workers": n_prefill, "decode_workers": n_decode, "rates": rates, "duration_s": duration_s,
+        "warmup_s": warmup_s, "max_tokens": max_tokens, "burstiness": burstiness, "seed": seed, "tau": tau,
+        "max_seqs": max_seqs, "split": split, "trace_model": tr.model.get("model"),
+        "workload": "generated trace" if tr.model.get("model") == "synthetic" else "captured trace"},
+        runs=runs, requests=pl.concat(req_rows), steps=pl.concat(step_frames), inputs=inputs, title=title,
+        n_layers=replay.n_layers, num_experts=replay.num_experts, extra={"simulate_wall_s": wall})
