@@ -29,7 +29,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
-	@# torchvision/torchaudio/torchcodec do not import beside torch 2.13.0+cpu (see BRIEF.md)
+	@# torchvision/torchaudio/torchcodec do not import beside torch 2.13.0+cpu (their wheels expect another torch build)
 	-@$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	@rm -f $(VENV)/.installed-*; touch $@
 
@@ -83,7 +83,7 @@ $(ART)/placement-eval/manifest.json: $(TRACE)/manifest.json $(ART)/fit/routing/m
 
 # -- capture: a calibration trace (default: the tiny random-weight MoE on a task.jsonl sample) -----
 MODEL ?= $(ART)/tiny-moe
-PROMPTS ?= /work/shared/data/prompts/task.jsonl
+PROMPTS ?= eldr_cli/data/prompts/task.jsonl
 CAPTURE_SAMPLE ?= 200
 MAX_NEW_TOKENS ?= 32
 .PHONY: capture bench-capture

@@ -31,8 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_cli.data import prompts_file
+
 ROOT = Path(__file__).resolve().parents[1]
-TASK = Path(os.environ.get("ELDR_PROMPTS_DIR", "/work/shared/data/prompts")) / "task.jsonl"
+TASK = prompts_file("task")
 
 
 def _rss_mb() -> float:
@@ -80,8 +82,8 @@ def child_overhead(a) -> dict:
 
 
 def child_capture(a) -> dict:
-    from eldr_cli.capture.run import run_capture
     from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.pipeline.capture import run_capture
 
     d = Path(a.tmp) / "tiny-moe"
     if not (d / "config.json").is_file():
@@ -140,7 +142,7 @@ def child_fixtures(a) -> dict:
 
 def child_import(a) -> dict:
     """Import only (fixtures are written by another child, so peak RSS is the importer's)."""
-    from eldr_cli.capture.importer import import_trace
+    from eldr_cli.pipeline.import_trace import import_trace
 
     src = Path(a.tmp) / f"oic-{a.n}"
     files = sorted(src.rglob("*.json"))

@@ -41,7 +41,7 @@ def _clustered(n, d, k, seed, dtype=np.float64):
 def bench_fit_small(repeats: int):
     """eldr fit on N=1000, L=48, E=128, K=16, 20k pairs, all transforms."""
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-fit-"))

@@ -53,7 +53,7 @@ def _peak_gbs(device) -> float | None:
 def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
     import torch
 
-    from kernels import signature_cache as sck
+    from eldr_cli.kernels import signature_cache as sck
 
     device = torch.device(device_name)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -118,8 +118,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
+    from eldr_cli.kernels.signature_cache import cell_dtype
     from eldr_cli.vllm_plugin.capture import QWEN3_30B_A3B, signature_share
-    from kernels.signature_cache import cell_dtype
 
     has_gpu = torch.cuda.is_available()
     rows = run("cpu", args.repeats, args.num_blocks)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_cli.data import prompts_file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,8 +84,8 @@ def bench_speed(repeats: int) -> dict:
 def _evaluate(trace_dir: Path, work: Path, *, decoders: int, ep_size: int, batch: int, pairs: int,
               redundant: int = 0, policy: str = "eldr") -> dict:
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.pipeline import run_fit
-    from eldr_cli.place import run_evaluate_placement, run_place_experts
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.pipeline.place import run_evaluate_placement, run_place_experts
 
     fit = work / "fit"
     if not (fit / "manifest.json").exists():
@@ -145,9 +147,7 @@ def bench_tiny(work: Path, trace: Path | None = None) -> dict:
     from eldr_cli.models.tiny import build_tiny_moe
 
     model = build_tiny_moe(work / "tiny-model", "qwen3_moe")
-    prompts = ROOT.parent / "shared" / "data" / "prompts" / "task.jsonl"
-    if not prompts.exists():
-        prompts = Path("/work/shared/data/prompts/task.jsonl")
+    prompts = prompts_file("task")
     cmd = [str(ROOT / ".venv/bin/eldr"), "capture", "--model", str(model), "--prompts", str(prompts),
            "--out", str(work / "tiny-trace")]
     extra = os.environ.get("BENCH_PLACE_CAPTURE_ARGS", "--sample 120 --max-new-tokens 32 --no-progress").split()

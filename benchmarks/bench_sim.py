@@ -31,7 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from eldr_cli.ports import free_port_range
+
+from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
@@ -103,8 +104,8 @@ def main(argv=None) -> int:
     from eldr_cli.bench.workload import parse_rates
     from eldr_cli.costmodel import CostModel
     from eldr_cli.costmodel.moe_layer import run_moe_layer
-    from eldr_cli.pipeline import run_fit
-    from eldr_cli.simulator import run_simulate
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.pipeline.simulate import run_simulate
     from eldr_cli.synth import synthetic_trace
 
     con = Console(width=130)
@@ -233,9 +234,9 @@ def bench_loadgen(work: Path, a, con) -> dict:
     import polars as pl
 
     port = _free_port()
-    stub = _start([PY, "-m", "eldr_cli.proxy.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
+    stub = _start([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
                   work / "stub.log")
-    out: dict = {"rate": a.lag_rate, "duration_s": a.lag_duration, "server": "eldr_cli.proxy.stub_worker "
+    out: dict = {"rate": a.lag_rate, "duration_s": a.lag_duration, "server": "eldr_cli.testing.stub_worker "
                  "(16 tokens, 5 ms apart)", "max_tokens": 16}
     try:
         _wait(f"http://127.0.0.1:{port}/health")
@@ -297,8 +298,8 @@ def peer_vllm_bench(work: Path, port: int, a, prompts: Path) -> dict:
 
 def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
     from eldr_cli.bench.serve import run_bench
-    from eldr_cli.pipeline import run_fit
-    from eldr_cli.simulator import run_simulate
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.pipeline.simulate import run_simulate
 
     run_fit(trace, work / "fit4", decoders=4, figures=False)
     base = free_port_range(7)

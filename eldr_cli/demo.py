@@ -1,8 +1,7 @@
 """`make demo`: the whole eldr path on one machine, end to end, in 5-10 minutes on a quiet 2-core machine.
 
 1. build the tiny random-weight MoE model (4 layers, 64 experts, top-8) with a locally trained tokenizer;
-2. capture a calibration + evaluation sample of ../shared/data/prompts/task.jsonl with it (an embedded
-   prompt set when the shared data is absent) -> trace with per-step decode picks;
+2. capture a calibration + evaluation sample of the shipped task prompts (eldr_cli/data/prompts) -> trace with per-step decode picks;
 3. time one MoE layer on this CPU -> cost model (Fig. 2);
 4. fit signatures and balanced clusters for the decoder count;
 5. start an EMULATED 4P8D cluster (`eldr emulate`) and the proxy (`eldr serve-proxy`);
@@ -25,13 +24,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from eldr_cli.ports import free_port_range
+
+from eldr_cli.data import prompts_file
+from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = ROOT.parent / "shared" / "data" / "prompts" / "task.jsonl"
+DEFAULT_PROMPTS = prompts_file("task")
 ROUTERS = "round-robin,jsq,p2c,domain,eldr"
 
-# Used only when ../shared/data/prompts/task.jsonl is absent: short prompts in the task workload's
+# Used only when the prompts file given is absent: short prompts in the task workload's
 # four domains, written for this demo.
 EMBEDDED_PROMPTS = {
     "code": ["def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

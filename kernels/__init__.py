@@ -1,9 +1,9 @@
 """GPU signature-capture kernels (Triton) with torch reference implementations (ELDR §4.4).
 
-See :mod:`kernels.signature_cache` for the layout, the saturation bound and the dispatch rules.
+See :mod:`eldr_cli.kernels.signature_cache` for the layout, the saturation bound and the dispatch rules.
 """
 
-from kernels.signature_cache import (  # noqa: F401
+from .signature_cache import (  # noqa: F401
     INVALID_FILL,
     SignatureCache,
     SignatureCacheError,

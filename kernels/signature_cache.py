@@ -173,7 +173,7 @@ def accumulate_reference(cache: torch.Tensor, topk_ids: torch.Tensor, token_bloc
 
 
 def accumulate_triton(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.Tensor, layer: int) -> None:
-    from kernels._triton import accumulate_kernel
+    from ._triton import accumulate_kernel
 
     _, L, E = sc.cache.shape
     T = min(topk_ids.shape[0], token_blocks.shape[0])
@@ -217,7 +217,7 @@ def reduce_reference(cache: torch.Tensor, fill: torch.Tensor, block_tables: torc
 
 
 def reduce_triton(sc: SignatureCache, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from kernels._triton import reduce_kernel
+    from ._triton import reduce_kernel
 
     R, B = block_tables.shape
     _, L, E = sc.cache.shape

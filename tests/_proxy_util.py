@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 import time
 
-from eldr_cli.proxy import ProxyConfig, ServerThread, create_app
-from eldr_cli.proxy.stub_worker import StubWorker
+from eldr_cli.proxy import ProxyConfig, create_app
+from eldr_cli.testing.servers import ServerThread
+from eldr_cli.testing.stub_worker import StubWorker
 
 
 def build_routing(out, decoders: int, seed: int = 0, layers: int = 4, experts: int = 16):
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     tr = synthetic_trace(n_requests=240, num_layers=layers, num_experts=experts, top_k=4, seed=seed)

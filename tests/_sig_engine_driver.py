@@ -26,7 +26,7 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from eldr_cli.vllm_plugin.launch import ELDR_CONNECTOR, example_connector
+    from eldr_cli.testing.vllm_server import ELDR_CONNECTOR, example_connector
 
     kw = {}
     if spec.get("connector") == "eldr":  # the plugin's connector on its own (no wrapped connector)
@@ -51,7 +51,7 @@ def main(spec_path: str, out_path: str) -> None:
 def run_job(llm, job: dict) -> list[dict]:
     from vllm import SamplingParams
 
-    from eldr_cli.vllm_plugin.launch import PD_PREFILL_PARAMS
+    from eldr_cli.testing.vllm_server import PD_PREFILL_PARAMS
 
     results = []
     for ids in job["prompts"]:

@@ -12,11 +12,12 @@ from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import build_schedule, load_prompts, parse_rates
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.costmodel.moe_layer import fit_cost_model
+from eldr_cli.data import prompts_file
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run
 from eldr_cli.synth import synthetic_trace
 
-TASK = "/work/shared/data/prompts/task.jsonl"
+TASK = str(prompts_file("task"))
 
 
 def test_poisson_schedule_rate_and_determinism():
@@ -216,8 +217,8 @@ def test_simulator_calls_the_shared_routing_objects(tmp_path, monkeypatch):
     """bench simulate must route with eldr_cli.stages.routing.make_policy (imported, not copied)."""
     import eldr_cli.stages.routing as routing
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
-    from eldr_cli.simulator import run_simulate
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.pipeline.simulate import run_simulate
 
     t = synthetic_trace(120, 4, 16, 2, decode_steps=16, with_picks=True, seed=1)
     write_trace(tmp_path / "trace", t)
@@ -255,7 +256,7 @@ def test_simulator_calls_the_shared_routing_objects(tmp_path, monkeypatch):
 
 def test_simulate_rejects_a_routing_artifact_of_another_model(tmp_path):
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
 
     write_trace(tmp_path / "a", synthetic_trace(60, 4, 16, 2, decode_steps=4, with_picks=True))
     write_trace(tmp_path / "b", synthetic_trace(60, 3, 16, 2, decode_steps=4, with_picks=True))

@@ -17,7 +17,7 @@ import pytest
 
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.main import run
-from eldr_cli.ports import free_port_range
+from eldr_cli.testing.ports import free_port_range
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -55,7 +55,7 @@ def _stop(p: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     d = tmp_path_factory.mktemp("emu")
@@ -157,7 +157,7 @@ def test_pd_protocol_over_openai_client(cluster):
 def test_bench_serve_counts_failures_and_rejects_bad_input(tmp_path):
     """Fault injection with the proxy's stub worker: 1 in 4 prompts answers HTTP 500."""
     port = free_port_range(1)
-    p = _start([PY, "-m", "eldr_cli.proxy.stub_worker", "--port", str(port), "--token-delay-s", "0.002"],
+    p = _start([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.002"],
                tmp_path / "stub.log")
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")

@@ -8,9 +8,10 @@ import polars as pl
 import pytest
 
 from eldr_cli.capture.prompts import load_prompts
+from eldr_cli.data import prompts_file
 from eldr_cli.errors import EldrError
 
-TASK = "/work/shared/data/prompts/task.jsonl"
+TASK = str(prompts_file("task"))
 
 
 def _rows(n=40):

@@ -16,12 +16,13 @@ import pytest
 
 from eldr_cli.artifacts.store import Artifact
 from eldr_cli.artifacts.trace import read_trace
-from eldr_cli.capture.run import run_capture
 from eldr_cli.capture.staging import staging_dir
+from eldr_cli.data import prompts_file
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run as eldr
+from eldr_cli.pipeline.capture import run_capture
 
-TASK = Path("/work/shared/data/prompts/task.jsonl")
+TASK = prompts_file("task")
 
 
 def _short_real_prompts(path: Path, per_domain: int, max_chars: int = 260) -> Path:

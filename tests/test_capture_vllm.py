@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from eldr_cli.artifacts.trace import read_trace
-from eldr_cli.capture.run import run_capture
+from eldr_cli.data import prompts_file
+from eldr_cli.pipeline.capture import run_capture
 
-TASK = Path("/work/shared/data/prompts/task.jsonl")
+TASK = prompts_file("task")
 
 
 @pytest.mark.slow

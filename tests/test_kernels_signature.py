@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernels import signature_cache as sck
+from eldr_cli.kernels import signature_cache as sck
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -22,10 +22,10 @@ def _triton_interpreter():
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        if "kernels._triton" in sys.modules:
-            importlib.reload(sys.modules["kernels._triton"])
+        if "eldr_cli.kernels._triton" in sys.modules:
+            importlib.reload(sys.modules["eldr_cli.kernels._triton"])
         else:
-            importlib.import_module("kernels._triton")
+            importlib.import_module("eldr_cli.kernels._triton")
         yield
     finally:
         if old is None:

@@ -6,11 +6,22 @@ import numpy as np
 import pytest
 
 from eldr_cli.errors import EldrError
-from eldr_cli.place import layout_export
-from eldr_cli.stages.placement import (GlobalEPLB, PerDecoderPlacement, active_experts, balanced_packing,
-                                       check_ep_size, check_layout, contiguous_layout, decode_activation,
-                                       greedy_placement, lower_bound, max_active_per_rank, ranks_of,
-                                       replicate_experts)
+from eldr_cli.pipeline.place import layout_export
+from eldr_cli.stages.placement import (
+    GlobalEPLB,
+    PerDecoderPlacement,
+    active_experts,
+    balanced_packing,
+    check_ep_size,
+    check_layout,
+    contiguous_layout,
+    decode_activation,
+    greedy_placement,
+    lower_bound,
+    max_active_per_rank,
+    ranks_of,
+    replicate_experts,
+)
 
 
 def _rank_loads(w, rank, R):

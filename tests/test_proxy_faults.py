@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-
 from _proxy_util import Cluster
 
 

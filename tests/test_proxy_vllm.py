@@ -18,19 +18,21 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-
 from _proxy_util import build_routing
-from eldr_cli.proxy import ProxyConfig, ServerThread, create_app, free_port
+
+from eldr_cli.data import prompts_file
+from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.stages.routing import locality_band
+from eldr_cli.testing.ports import free_port
+from eldr_cli.testing.servers import ServerThread
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPTS_FILE = Path("/work/shared/data/prompts/task.jsonl")
+PROMPTS_FILE = prompts_file("task")
 
 
 def _prompts(n=3):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from eldr_cli import vllm_plugin
+from eldr_cli.kernels import signature_cache as sck
 from eldr_cli.vllm_plugin.capture import QWEN3_30B_A3B, CaptureState, signature_share
-from kernels import signature_cache as sck
 
 
 def test_register_is_a_no_op_unless_enabled(monkeypatch):

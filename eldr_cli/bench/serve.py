@@ -222,7 +222,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
         mode = mode or cluster.get("mode", "emulated")
     mode = mode or "real"
     if mode not in MODES or mode == "simulated":
-        raise EldrError(f"--mode must be real or emulated (simulated results come from `eldr bench simulate`)")
+        raise EldrError("--mode must be real or emulated (simulated results come from `eldr bench simulate`)")
     cfg = ClientConfig(url=url, model=model, max_tokens=max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
                        domain_header=domain_header or bool(routers and "domain" in routers), api_key=api_key)
     plan = SweepPlan(rates=list(rates), duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness, seed=seed,

@@ -9,10 +9,6 @@ decode steps are recorded for every request (the prefill pass produces token 1).
 
 from __future__ import annotations
 
-
-
-import numpy as np
-
 from eldr_cli.capture.backend import RequestCapture, check_checkpoint
 from eldr_cli.capture.hooks import RouterRecorder, find_routers
 from eldr_cli.errors import EldrError

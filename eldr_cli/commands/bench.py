@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
@@ -112,7 +112,7 @@ def simulate_cmd(
     from eldr_cli.bench.results import print_bench
     from eldr_cli.bench.workload import parse_rates
     from eldr_cli.console import console
-    from eldr_cli.simulator import run_simulate
+    from eldr_cli.pipeline.simulate import run_simulate
 
     names = [r.strip() for r in routers.split(",") if r.strip()]
     with console.status("simulating ..."):

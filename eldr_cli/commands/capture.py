@@ -44,7 +44,7 @@ def capture_cmd(
     if from_trace is not None:
         if model is not None or prompts is not None:
             raise EldrError("--from-trace imports recorded picks; do not combine it with --model/--prompts")
-        from eldr_cli.capture.importer import import_trace
+        from eldr_cli.pipeline.import_trace import import_trace
 
         res = import_trace(from_trace, out, num_experts=num_experts, top_k=top_k, seed=seed,
                            eval_fraction=eval_fraction, workers=workers, progress=progress, log=log)
@@ -52,7 +52,7 @@ def capture_cmd(
         return
     if model is None or prompts is None:
         raise EldrError("eldr capture needs --model DIR and --prompts FILE (or --from-trace DIR)")
-    from eldr_cli.capture.run import run_capture
+    from eldr_cli.pipeline.capture import run_capture
 
     try:
         res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens,

@@ -28,7 +28,7 @@ def emulate_cmd(
         console.print(f"[bold]EMULATED[/] cluster {prefill}P{decode}D of {info['model']} (pid {info['pid']}):")
         console.print("  prefill: " + " ".join(info["prefill"]))
         console.print("  decode:  " + " ".join(info["decode"]))
-        console.print(f"  serve-proxy: eldr serve-proxy --routing FIT/routing "
+        console.print("  serve-proxy: eldr serve-proxy --routing FIT/routing "
                       + " ".join(f"--prefill {u}" for u in info["prefill"][:2]) + " ... "
                       + " ".join(f"--decode {u}" for u in info["decode"][:2]) + " ...")
         console.print("Ctrl-C stops it.", style="dim")

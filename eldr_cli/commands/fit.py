@@ -15,7 +15,7 @@ def fit_idf_cmd(trace: Path = TRACE, out: Path = typer.Option(Path("artifacts/fi
     """IDF weight of every (layer, expert) cell: w = log((|C|+1)/(df+1)) (ELDR §4.2.2)."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
-    from eldr_cli.pipeline import run_fit_idf
+    from eldr_cli.pipeline.fit import run_fit_idf
 
     run_fit_idf(trace, out, split=split)
     m = Artifact(out).metrics
@@ -34,7 +34,7 @@ def select_layers_cmd(
     split: str = SPLIT,
 ) -> None:
     """Score signature transforms by rho and pick layers greedily; writes Fig. 7 and Fig. 8."""
-    from eldr_cli.pipeline import run_select_layers
+    from eldr_cli.pipeline.fit import run_select_layers
 
     run_select_layers(trace, idf, out, pairs=pairs, transform=transform, seed=seed, split=split)
     _print_layers(out)
@@ -51,7 +51,7 @@ def cluster_cmd(
     split: str = SPLIT,
 ) -> None:
     """Balanced K-means (exact capacity-constrained assignment) -> the routing artifact; writes Fig. 9."""
-    from eldr_cli.pipeline import run_cluster
+    from eldr_cli.pipeline.fit import run_cluster
 
     run_cluster(trace, layers, out, decoders=decoders, vanilla=vanilla, seed=seed, tau=tau, split=split)
     _print_routing(out)
@@ -72,7 +72,7 @@ def fit_cmd(
     """fit-idf -> select-layers -> cluster in one go; OUT/routing is what `serve-proxy` loads."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
-    from eldr_cli.pipeline import run_fit
+    from eldr_cli.pipeline.fit import run_fit
 
     run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
             vanilla=vanilla, split=split, figures=figures)

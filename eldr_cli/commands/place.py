@@ -42,7 +42,7 @@ def place_cmd(
     if missing:
         raise EldrError(f"place-experts needs {', '.join(missing)}",
                         hint="eldr place-experts --trace T --routing D --ep-size R --out P")
-    from eldr_cli.place import run_place_experts
+    from eldr_cli.pipeline.place import run_place_experts
 
     run_place_experts(trace, routing, out, ep_size=ep_size, batch_size=batch_size,
                       redundant_experts=redundant_experts, decoders=decoders, figures=figures)
@@ -63,7 +63,7 @@ def evaluate_cmd(
     figures: bool = typer.Option(True, "--figures/--no-figures"),
 ) -> None:
     """Replay held-out decode through the routing policy; max activated experts per EP rank per step."""
-    from eldr_cli.place import run_evaluate_placement
+    from eldr_cli.pipeline.place import run_evaluate_placement
 
     out = out or placement.parent / "placement-eval"
     run_evaluate_placement(trace, routing, placement, out, batch_size=batch_size, policy=policy, tau=tau,

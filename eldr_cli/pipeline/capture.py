@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from eldr_cli.capture.backend import RequestCapture, check_checkpoint, model_fingerprint
-from eldr_cli.capture.prompts import PromptRow, load_prompts, selection_hash
+from eldr_cli.capture.prompts import load_prompts, selection_hash
 from eldr_cli.capture.staging import Staging, staging_dir
 from eldr_cli.errors import EldrError
 
@@ -24,8 +24,15 @@ class CaptureResult:
 
 
 def _progress(enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.text import Text
 
     from eldr_cli.console import err_console

@@ -269,7 +269,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
         bad_examples: list[str] = []
         buf: list = []
         chunk = 0
-        from eldr_cli.capture.run import _progress
+        from eldr_cli.pipeline.capture import _progress
 
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)

@@ -113,8 +113,13 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     """Fit per-decoder placement + global EPLB + contiguous on the calibration split; write ``placement``."""
     import time
 
-    from eldr_cli.stages.placement import (GlobalEPLB, PerDecoderPlacement, check_ep_size, contiguous_layout,
-                                           decode_activation, expected_max_rank_share)
+    from eldr_cli.stages.placement import (
+        GlobalEPLB,
+        PerDecoderPlacement,
+        check_ep_size,
+        contiguous_layout,
+        expected_max_rank_share,
+    )
 
     trace = read_trace(trace_path, with_picks=False)
     check_ep_size(trace.num_experts, ep_size)

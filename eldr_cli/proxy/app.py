@@ -1,6 +1,6 @@
 """The proxy as a plain ASGI application (served by uvicorn with httptools + uvloop).
 
-PD flow per request (vLLM's disaggregated-serving protocol, see BRIEF.md):
+PD flow per request (vLLM's disaggregated-serving protocol, as its NIXL proxy speaks it):
 
 1. prefill leg -> a prefill worker chosen by PrefixHash (least-loaded above 1.25x the average):
    the client's body with ``stream=false``, ``max_tokens=1`` (and ``max_completion_tokens=1`` if

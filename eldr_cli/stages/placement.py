@@ -38,7 +38,6 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 
-
 # -- layouts -----------------------------------------------------------------------------------
 
 def check_ep_size(num_experts: int, ep_size: int, n_redundant: int = 0) -> int:

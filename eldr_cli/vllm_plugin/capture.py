@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels import signature_cache as sck
+from eldr_cli.kernels import signature_cache as sck
 
 LOG_NAME = "vllm.eldr_signatures"
 
