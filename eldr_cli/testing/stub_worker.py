@@ -21,6 +21,7 @@ import zlib
 import numpy as np
 import orjson
 
+from eldr_cli import openai_shapes as shapes
 from eldr_cli.handoff import SIGNATURE_KEY, encode_counts
 
 _FAULT = re.compile(r"\[\[fault:([a-z_0-9]+)\]\]")
@@ -180,44 +181,29 @@ class StubWorker:
                         self.stats["decode_cancelled"] += 1
                         return
                 await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + orjson.dumps(_chunk(body, chat, t, i, None)) + b"\n\n"})
+                            "body": shapes.sse(_chunk(body, chat, t, i, None))})
             last = _chunk(body, chat, "", len(toks), "length")
             if (body.get("stream_options") or {}).get("include_usage"):
-                last["usage"] = _usage(n_prompt, len(toks))
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n"})
+                last["usage"] = shapes.usage(n_prompt, len(toks))
+            await send({"type": "http.response.body", "more_body": True, "body": shapes.sse(last) + shapes.SSE_DONE})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.stats["decode_ok"] += 1
         finally:
             watch.cancel()
 
 
-def _usage(p, c):
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+STUB_ID = "cmpl-stub"  # fixed id and created=0: the stub's answers are deterministic
 
 
 def _answer(body, chat, toks, finish, n_prompt):
-    text = "".join(toks)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    return {"id": "cmpl-stub", "object": obj, "created": 0, "model": body.get("model") or "stub-model",
-            "choices": [choice], "usage": _usage(n_prompt, len(toks))}
+    return shapes.completion_body(rid=STUB_ID, model=body.get("model") or "stub-model", created=0, chat=chat,
+                                  text="".join(toks), finish_reason=finish, prompt_tokens=n_prompt,
+                                  completion_tokens=len(toks))
 
 
 def _chunk(body, chat, tok, i, finish):
-    if chat:
-        delta = {"content": tok} if i else {"role": "assistant", "content": tok}
-        choice = {"index": 0, "delta": delta if tok or not finish else {}, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": tok, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    return {"id": "cmpl-stub", "object": obj, "created": 0, "model": body.get("model") or "stub-model",
-            "choices": [choice]}
+    return shapes.chunk_body(rid=STUB_ID, model=body.get("model") or "stub-model", created=0, chat=chat, text=tok,
+                             first=i == 0, finish_reason=finish)
 
 
 async def _disconnected(receive):

@@ -94,7 +94,8 @@ PD_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remo
 
 
 def prefill(url: str, model: str, prompt: str | list[int], timeout: float = 120.0) -> dict:
-    """The PD protocol's prefill request (as vLLM's NIXL proxy sends it): stream=false, max_tokens=1, kv_transfer_params."""
+    """The PD protocol's prefill request (as vLLM's NIXL proxy sends it): stream=false, max_tokens=1,
+    kv_transfer_params."""
     import httpx
 
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
