@@ -25,25 +25,19 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from eldr_cli.testing.ports import free_port_range
+from eldr_cli.testing.ports import free_port, free_port_range
+from eldr_cli.testing.servers import wait_file, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
 ROUTERS = ["round-robin", "random", "jsq", "p2c", "domain", "eldr"]
 LBS = ("round-robin", "random", "jsq", "p2c")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(args, log, env=None):
@@ -58,19 +52,6 @@ def _stop(p):
             p.wait(10)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-
-
-def _wait(url, timeout=90):
-    import urllib.request
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def find_trace(arg):
@@ -121,9 +102,9 @@ def main(argv=None) -> int:
         tm = json.loads((trace / "manifest.json").read_text())["params"]
         if tm.get("model") and (Path(tm["model"]) / "tokenizer.json").exists():
             a.tokenizer = tm["model"]
-        res["workload"] = {"trace": str(trace), "origin": origin, "model": tm.get("model"),
-                           "label": ("task.jsonl prompts, expert picks CAPTURED from the tiny model" if origin == "captured"
-                                     else "GENERATED trace (eldr_cli.synth): no captured tiny-model trace was found")}
+        label = ("task.jsonl prompts, expert picks CAPTURED from the tiny model" if origin == "captured"
+                 else "GENERATED trace (eldr_cli.synth): no captured tiny-model trace was found")
+        res["workload"] = {"trace": str(trace), "origin": origin, "model": tm.get("model"), "label": label}
         if a.cost_model:
             cost = Path(a.cost_model)
         else:
@@ -143,7 +124,8 @@ def main(argv=None) -> int:
         speed_s, speed_cpu = time.perf_counter() - t0, time.process_time() - c0
         sp = json.loads((work / "speed" / "summary.json").read_text())
         res["speed"] = {"config": "8P16D", "rates": parse_rates(a.speed_rates), "duration_s": a.duration,
-                        "warmup_s": a.warmup, "routers": ROUTERS, "wall_s": speed_s, "cpu_s": speed_cpu, "load_avg_1min": os.getloadavg()[0],
+                        "warmup_s": a.warmup, "routers": ROUTERS, "wall_s": speed_s, "cpu_s": speed_cpu,
+                        "load_avg_1min": os.getloadavg()[0],
                         "simulate_only_s": sp["simulate_wall_s"], "target_s": 60.0,
                         "requests": sum(r["num_prompts"] for r in sp["runs"]),
                         "decode_steps": sum(r["decode_steps"] for r in sp["runs"])}
@@ -233,13 +215,13 @@ def main(argv=None) -> int:
 def bench_loadgen(work: Path, a, con) -> dict:
     import polars as pl
 
-    port = _free_port()
+    port = free_port()
     stub = _start([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
                   work / "stub.log")
     out: dict = {"rate": a.lag_rate, "duration_s": a.lag_duration, "server": "eldr_cli.testing.stub_worker "
                  "(16 tokens, 5 ms apart)", "max_tokens": 16}
     try:
-        _wait(f"http://127.0.0.1:{port}/health")
+        wait_http(f"http://127.0.0.1:{port}/health", 90, proc=stub, log=work / "stub.log")
         prompts = work / "lag.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i} " * 8}) + "\n" for i in range(500)))
         # the real command in a fresh process (as a user runs it), not this process with the simulator's heap
@@ -311,10 +293,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
         emu = _start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
                       "--cost-model", str(cost), "--base-port", str(base), "--cluster-file",
                       str(work / "cluster.json")], work / "emu.log")
-        for _ in range(600):
-            if (work / "cluster.json").exists():
-                break
-            time.sleep(0.1)
+        wait_file(work / "cluster.json", 60, proc=emu, log=work / "emu.log")
         info = json.loads((work / "cluster.json").read_text())
         args = [PY, "-m", "eldr_cli", "serve-proxy", "--routing", str(work / "fit4"), "--policy", "round-robin",
                 "--port", str(base + 6), "--log-level", "warning"]
@@ -323,7 +302,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
         for u in info["decode"]:
             args += ["--decode", u]
         proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": "bench"})
-        _wait(f"http://127.0.0.1:{base + 6}/health")
+        wait_http(f"http://127.0.0.1:{base + 6}/health", 90, proc=proxy, log=work / "proxy.log")
         kw = dict(rates=[3.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
         run_bench(work / "emulated", url=f"http://127.0.0.1:{base + 6}", prompts=trace, routers=["round-robin", "eldr"],
                   admin_token="bench", cluster_file=work / "cluster.json", live=False, console=None, **kw)
@@ -331,7 +310,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
                      routers=["round-robin", "eldr"], n_prefill=2, n_decode=4, **kw)
         e = json.loads((work / "emulated" / "summary.json").read_text())["runs"]
         s = json.loads((work / "simulated" / "summary.json").read_text())["runs"]
-        for x, y in zip(e, s):
+        for x, y in zip(e, s, strict=True):
             res["routers"].append({"router": x["router"], "emulated_tpot_ms": x["median_tpot_ms"],
                                    "simulated_tpot_ms": y["median_tpot_ms"],
                                    "ratio": (x["median_tpot_ms"] / y["median_tpot_ms"])

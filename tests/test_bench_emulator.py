@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,23 +17,10 @@ import pytest
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.main import run
 from eldr_cli.testing.ports import free_port_range
+from eldr_cli.testing.servers import wait_file, wait_http
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-
-
-def _wait_http(url: str, timeout: float = 60.0) -> None:
-    import urllib.request
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def _start(args, log: Path, env=None) -> subprocess.Popen:
@@ -71,10 +57,7 @@ def cluster(tmp_path_factory):
         procs.append(_start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace",
                              str(d / "trace"), "--cost-model", str(d / "cost"), "--base-port", str(base),
                              "--cluster-file", str(d / "cluster.json")], d / "emu.log"))
-        for _ in range(300):
-            if (d / "cluster.json").exists() or procs[0].poll() is not None:
-                break
-            time.sleep(0.1)
+        wait_file(d / "cluster.json", 30, proc=procs[0], log=d / "emu.log")
         info = json.loads((d / "cluster.json").read_text())
         proxy_port = base + 6
         args = [PY, "-m", "eldr_cli", "serve-proxy", "--routing", str(d / "fit"), "--policy", "round-robin",
@@ -84,7 +67,7 @@ def cluster(tmp_path_factory):
         for u in info["decode"]:
             args += ["--decode", u]
         procs.append(_start(args, d / "proxy.log", env={"ELDR_ADMIN_TOKEN": "t0ken"}))
-        _wait_http(f"http://127.0.0.1:{proxy_port}/health")
+        wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=procs[1], log=d / "proxy.log")
         yield {"dir": d, "info": info, "proxy": f"http://127.0.0.1:{proxy_port}", "trace": t}
     finally:
         for p in reversed(procs):
@@ -105,7 +88,7 @@ def test_emulated_sweep_agrees_with_simulator(cluster):
     sim = json.loads((d / "simulated" / "summary.json").read_text())
     assert emu["mode"] == "emulated" and "EMULATED" in emu["label"]
     assert sim["mode"] == "simulated"
-    for e, s in zip(emu["runs"], sim["runs"]):
+    for e, s in zip(emu["runs"], sim["runs"], strict=True):
         assert e["router"] == s["router"] and e["failed"] == 0
         assert e["completed"] == s["completed"]  # same schedule, same requests
         rel = abs(e["median_tpot_ms"] - s["median_tpot_ms"]) / s["median_tpot_ms"]
@@ -147,7 +130,8 @@ def test_pd_protocol_over_openai_client(cluster):
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) == 70 and chunks[-1].usage.completion_tokens == 70
     # without ignore_eos the request stops at the captured output length (48 steps)
-    r = dec.completions.create(model=info["model"], prompt=prompt, max_tokens=70, extra_body={"kv_transfer_params": ktp})
+    r = dec.completions.create(model=info["model"], prompt=prompt, max_tokens=70,
+                               extra_body={"kv_transfer_params": ktp})
     assert r.usage.completion_tokens == 48
     chat = dec.chat.completions.create(model=info["model"], messages=[{"role": "user", "content": prompt}],
                                        max_tokens=5)
@@ -160,10 +144,11 @@ def test_bench_serve_counts_failures_and_rejects_bad_input(tmp_path):
     p = _start([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.002"],
                tmp_path / "stub.log")
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health")
+        wait_http(f"http://127.0.0.1:{port}/health", proc=p, log=tmp_path / "stub.log")
         prompts = tmp_path / "p.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}" + (" [[fault:decode_500]]" if i % 4 == 0 else ""),
-                                               "domain": "x"}) + "\n" for i in range(40)))
+        fault = " [[fault:decode_500]]"
+        prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}" + (fault if i % 4 == 0 else ""), "domain": "x"})
+                                   + "\n" for i in range(40)))
         out = tmp_path / "b"
         rc = run(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--prompts", str(prompts), "--rates",
                   "40", "--duration", "3", "--warmup", "0", "--max-tokens", "8", "--no-live", "--out", str(out)])

@@ -1,12 +1,16 @@
-"""Servers for tests, the demo and benchmarks: any ASGI app on 127.0.0.1 in a background thread."""
+"""Servers for tests, the demo and benchmarks: any ASGI app on 127.0.0.1 in a background thread, and
+waiting for a server (or the file it writes when ready) in another process."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
-from eldr_cli.proxy.server import uvicorn_config
 from eldr_cli.testing.ports import free_port
 
 
@@ -15,6 +19,8 @@ class ServerThread:
 
     def __init__(self, app, port: int | None = None, host: str = "127.0.0.1"):
         import uvicorn
+
+        from eldr_cli.proxy.server import uvicorn_config
 
         self.app = app
         self.host, self.port = host, port or free_port(host)
@@ -60,3 +66,46 @@ class ServerThread:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _exited(proc: subprocess.Popen | None, what: str, log: Path | None) -> None:
+    if proc is not None and proc.poll() is not None:
+        tail = ""
+        if log is not None:
+            try:
+                tail = ":\n" + Path(log).read_text(errors="replace")[-3000:]
+            except OSError:
+                pass
+        raise RuntimeError(f"the process serving {what} exited with {proc.returncode}{tail}")
+
+
+def wait_http(url: str, timeout: float = 60.0, *, proc: subprocess.Popen | None = None, log: Path | None = None,
+              interval: float = 0.2) -> None:
+    """Return once GET ``url`` answers 200 (e.g. ``.../health``); RuntimeError after ``timeout`` s, or at
+    once if ``proc`` (the process that should serve it) exited, with the tail of its ``log``."""
+    t0 = time.monotonic()
+    while True:
+        _exited(proc, url, log)
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{url} did not come up within {timeout:.0f} s" + (f"; see {log}" if log else ""))
+        time.sleep(interval)
+
+
+def wait_file(path: Path, timeout: float = 60.0, *, proc: subprocess.Popen | None = None, log: Path | None = None,
+              interval: float = 0.1) -> Path:
+    """Return ``path`` once it exists (e.g. the ``--cluster-file`` ``eldr emulate`` writes atomically when
+    every port listens); RuntimeError after ``timeout`` s or at once if ``proc`` exited."""
+    path = Path(path)
+    t0 = time.monotonic()
+    while not path.exists():
+        _exited(proc, str(path), log)
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"{path} did not appear within {timeout:.0f} s" + (f"; see {log}" if log else ""))
+        time.sleep(interval)
+    return path

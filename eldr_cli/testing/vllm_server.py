@@ -32,19 +32,14 @@ class VllmServer:
     name: str
 
     def wait_ready(self, deadline: float) -> None:
-        import httpx
+        """Return once /health answers; RuntimeError (with the log's tail) if the server exits or
+        ``deadline`` (time.monotonic()) passes."""
+        from eldr_cli.testing.servers import wait_http
 
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM {self.name} exited:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM {self.name} did not start in time:\n{self.log_tail()}")
-            time.sleep(0.5)
+        try:
+            wait_http(self.url + "/health", max(0.0, deadline - time.monotonic()), proc=self.proc, interval=0.5)
+        except RuntimeError as e:
+            raise RuntimeError(f"vLLM {self.name}: {e}:\n{self.log_tail()}") from None
 
     def log_tail(self, n: int = 4000) -> str:
         try:
