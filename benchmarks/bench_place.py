@@ -85,7 +85,8 @@ def _evaluate(trace_dir: Path, work: Path, *, decoders: int, ep_size: int, batch
               redundant: int = 0, policy: str = "eldr") -> dict:
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.pipeline.place import run_evaluate_placement, run_place_experts
+    from eldr_cli.pipeline.evaluate import run_evaluate_placement
+    from eldr_cli.pipeline.place import run_place_experts
 
     fit = work / "fit"
     if not (fit / "manifest.json").exists():

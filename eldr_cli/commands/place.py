@@ -63,7 +63,7 @@ def evaluate_cmd(
     figures: bool = typer.Option(True, "--figures/--no-figures"),
 ) -> None:
     """Replay held-out decode through the routing policy; max activated experts per EP rank per step."""
-    from eldr_cli.pipeline.place import run_evaluate_placement
+    from eldr_cli.pipeline.evaluate import run_evaluate_placement
 
     out = out or placement.parent / "placement-eval"
     run_evaluate_placement(trace, routing, placement, out, batch_size=batch_size, policy=policy, tau=tau,
