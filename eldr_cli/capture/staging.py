@@ -93,6 +93,12 @@ class Staging:
         self.state["skipped"].extend(skipped)
         self._write_state()
 
+    def write_empty_chunk(self, chunk: int, skipped: list[dict]) -> None:
+        """Mark a chunk whose prompts were all skipped as done (no arrays, no table)."""
+        self.state["chunks"][str(chunk)] = {"n": 0}
+        self.state["skipped"].extend(skipped)
+        self._write_state()
+
     def chunk_ids(self) -> list[int]:
         return sorted(int(c) for c in self.state["chunks"])
 
