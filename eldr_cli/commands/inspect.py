@@ -21,7 +21,7 @@ def inspect_cmd(
     from eldr_cli.console import console
     from eldr_cli.errors import EldrError
 
-    art = Artifact(path)
+    art = Artifact(path, verify=False)  # inspect reports every difference itself
     problems = art.verify() if verify else []
     if as_json:
         console.print_json(json.dumps(art.manifest))
@@ -41,6 +41,9 @@ def inspect_cmd(
             for k, v in m["inputs"].items():
                 t.add_row(k, v["path"], v["content_hash"][:16])
             console.print(t)
+        if problems:  # a damaged artifact: say what differs before reading any of its data
+            raise EldrError(f"{path} fails verification: " + "; ".join(problems[:5]),
+                            hint="rebuild it with the stage that wrote it")
         zdir = art.path / ARRAYS
         if zdir.exists():
             t = Table(title="arrays")
@@ -73,7 +76,8 @@ def inspect_cmd(
     if problems:
         raise EldrError(f"{path} fails verification: " + "; ".join(problems[:5]))
     if not as_json:
-        console.print("[green]valid[/]: manifest matches its schema" + (" and files match their hashes" if verify else ""))
+        console.print("[green]valid[/]: manifest matches its schema"
+                      + (" and files match their hashes" if verify else ""))
 
 
 def _short(v, n: int = 120) -> str:
