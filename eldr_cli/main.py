@@ -92,6 +92,14 @@ def _interrupted() -> int:
     return INTERRUPTED
 
 
+def _print_error(e: EldrError) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+    return e.exit_code
+
+
 def run(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and returns the exit code.
 
@@ -104,13 +112,16 @@ def run(argv: list[str] | None = None) -> int:
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="eldr")
     except EldrError as e:
-        from rich.console import Console
-        from rich.markup import escape
-
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return e.exit_code
+        return _print_error(e)
     except KeyboardInterrupt:
         return _interrupted()
+    except (ValueError, TypeError) as e:  # the method's parameter/data checks, in the flags' words
+        from eldr_cli.commands._common import translate_stage_error
+
+        err = translate_stage_error(e)
+        if err is None:
+            raise
+        return _print_error(err)
     except click_errors as e:
         e.show()
         return int(e.exit_code)

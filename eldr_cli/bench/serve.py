@@ -62,6 +62,19 @@ def _admin_call(url: str, token: str | None, body: dict | None = None) -> dict:
         raise EldrError(f"cannot reach the proxy admin endpoint at {url}: {e}") from None
 
 
+def _cancel_pending(loop) -> None:
+    """After Ctrl-C the bench's tasks are still pending: cancel them and let their cleanup (sessions,
+    live view) run, instead of Python printing 'coroutine ignored GeneratorExit' at exit."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        try:
+            loop.run_until_complete(asyncio.wait(pending, timeout=5))
+        except BaseException:  # a second Ctrl-C: give up cleaning up
+            pass
+
+
 def read_cluster_file(path) -> dict:
     p = Path(path)
     if not p.is_file():
@@ -262,6 +275,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
                                                                     live and console is not None, console))
         finished = True
     finally:
+        _cancel_pending(loop)
         loop.close()
         if found is not None:  # on success, error and Ctrl-C alike
             back = {"policy": found["policy"], **({"tau": found.get("tau")} if tau is not None else {})}

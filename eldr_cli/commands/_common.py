@@ -42,3 +42,33 @@ def fraction(value):
     if value is not None and not 0 <= value < 1:
         raise typer.BadParameter(f"{value:g} is not in [0, 1)")
     return value
+
+
+# The method's parameter names (eldr_cli.stages) and the flags that set them.
+PARAM_FLAGS = {"n_pairs": "--pairs", "n_clusters": "--decoders", "transform": "--transform", "ep_size": "--ep-size",
+               "n_redundant": "--redundant-experts", "batch_size": "--batch-size", "tau": "--tau",
+               "policy": "--policy", "split": "--split", "seed": "--seed"}
+
+
+def translate_stage_error(e: Exception):
+    """An EldrError (flag names, hint) for a ValueError/TypeError raised by the method's own code
+    (``eldr_cli.stages``), or None for any other exception (a bug: it keeps its traceback)."""
+    from eldr_cli.errors import EldrError
+    from eldr_cli.stages.validation import InvalidParameterError
+
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    raised_in = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    if not raised_in.startswith("eldr_cli.stages"):
+        return None
+    msg, hint = str(e), None
+    if isinstance(e, InvalidParameterError):
+        flag = PARAM_FLAGS.get(e.param)
+        if flag is not None:
+            msg = flag + msg[len(e.param):] if msg.startswith(e.param + " ") else f"{flag}: {msg}"
+        hint = e.hint
+        for param, fl in PARAM_FLAGS.items():
+            if hint:
+                hint = hint.replace(param, fl)
+    return EldrError(msg, hint=hint)

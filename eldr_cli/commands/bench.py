@@ -23,12 +23,13 @@ BURST = typer.Option(1.0, "--burstiness", callback=positive,
 SEED = typer.Option(0, "--seed")
 TIMEOUT = typer.Option(600.0, "--timeout", callback=positive, help="Per-request timeout (s).")
 FORCE = force_option()
+WIDE = typer.Option(False, "--wide", help="Show every table column (the default fits 80 columns).")
 SPLIT = split_option(None, help="With a trace as --prompts: calibration|evaluation|all.")
 
 
 def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
                   ignore_eos, model, mode, cluster, split, live, label, routers=None, tau=None, admin_token=None,
-                  router_name="as-deployed", force=False):
+                  router_name="as-deployed", force=False, wide=False):
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.bench.results import print_bench
     from eldr_cli.bench.serve import run_bench
@@ -44,7 +45,7 @@ def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, bursti
                   admin_token=admin_token, mode=mode, cluster_file=cluster, split=split,
                   live=live and console.is_terminal, label=label, api_key=os.environ.get("OPENAI_API_KEY"),
                   router_name=router_name, console=console)
-    summary = print_bench(out)
+    summary = print_bench(out, wide=wide)
     done = sum(r["completed"] for r in summary["runs"])
     if done == 0:
         failed = sum(r["failed"] for r in summary["runs"])
@@ -72,10 +73,11 @@ def serve_cmd(
     live: bool = typer.Option(True, "--live/--no-live", help="Rich live view while running."),
     label: str = typer.Option("", "--label", help="Title for tables and figures."),
     force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Poisson (or gamma) load at each rate; per-request TTFT/TPOT/ITL/E2EL; vllm-bench-serve summary keys."""
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
-                  ignore_eos, model, mode, cluster, split, live, label, router_name=router_name, force=force)
+                  ignore_eos, model, mode, cluster, split, live, label, router_name=router_name, force=force, wide=wide)
 
 
 @bench_app.command("sweep")
@@ -98,6 +100,7 @@ def sweep_cmd(
     live: bool = typer.Option(True, "--live/--no-live"),
     label: str = typer.Option("", "--label"),
     force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Same rates for several decode routers on one worker pool (switched via the proxy's /admin/policy);
     one table with % change vs round-robin and vs the best load balancer; Fig. 11 (and Fig. 13 if emulated)."""
@@ -108,7 +111,7 @@ def sweep_cmd(
         raise EldrError("--routers is empty")
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, True,
                   ignore_eos, model, mode, cluster, split, live, label, routers=names, tau=tau,
-                  admin_token=admin_token, force=force)
+                  admin_token=admin_token, force=force, wide=wide)
 
 
 @bench_app.command("simulate")
@@ -127,20 +130,26 @@ def simulate_cmd(
     burstiness: float = BURST, seed: int = SEED,
     label: str = typer.Option("", "--label"),
     force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Discrete-event SIMULATION of PxD with the same traces, cost model and routing objects; no HTTP."""
+    from eldr_cli.artifacts.guard import check_output
     from eldr_cli.bench.results import print_bench
     from eldr_cli.bench.workload import parse_rates
     from eldr_cli.console import console
+    from eldr_cli.errors import EldrError
     from eldr_cli.pipeline.simulate import run_simulate
 
     names = [r.strip() for r in routers.split(",") if r.strip()]
+    if not names:
+        raise EldrError("--routers is empty")
+    check_output(out, "bench", [p for p in (trace, cost_model, routing, prompts) if p], force=force or None)
     with console.status("simulating ..."), replacing(out, force):
         run_simulate(out, trace=trace, cost_model=cost_model, prompts=prompts, split=split, routers=names,
                      rates=parse_rates(rates), n_prefill=prefill, n_decode=decode, duration_s=duration,
                      warmup_s=warmup, max_tokens=max_tokens, burstiness=burstiness, routing=routing, tau=tau,
                      seed=seed, max_seqs=max_seqs, title=label)
-    print_bench(out)
+    print_bench(out, wide=wide)
 
 
 @bench_app.command("moe-layer")
@@ -175,6 +184,9 @@ def moe_layer_cmd(
     if top_k > experts:
         raise EldrError(f"--top-k ({top_k}) must not exceed --experts ({experts})")
     sizes = ints(batches, "batches"), ints(actives, "active")
+    from eldr_cli.artifacts.guard import check_output
+
+    check_output(out, "cost-model", force=force or None)  # before minutes of timing
     with console.status("timing the MoE layer ...") as st, replacing(out, force):
         run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
                       batches=sizes[0], actives=sizes[1], repeats=repeats,
@@ -190,11 +202,11 @@ def moe_layer_cmd(
 
 
 @bench_app.command("show")
-def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory.")) -> None:
+def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory."), wide: bool = WIDE) -> None:
     """Print a bench artifact's tables again."""
     from eldr_cli.bench.results import print_bench
 
-    print_bench(path)
+    print_bench(path, wide=wide)
 
 
 def register(app: typer.Typer) -> None:

@@ -47,8 +47,10 @@ def capture_cmd(
     if from_trace is not None:
         if model is not None or prompts is not None:
             raise EldrError("--from-trace imports recorded picks; do not combine it with --model/--prompts")
+        from eldr_cli.artifacts.guard import check_output
         from eldr_cli.pipeline.import_trace import import_trace
 
+        check_output(out, "trace", [from_trace], force=force or None)  # before reading the tree
         with replacing(out, force):
             res = import_trace(from_trace, out, num_experts=num_experts, top_k=top_k, seed=seed,
                                eval_fraction=eval_fraction, workers=workers, progress=progress, log=log)

@@ -20,6 +20,7 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
+from eldr_cli.pipeline import checks
 
 LAYOUTS = ("contiguous", "global_eplb", "per_decoder")
 EXPORT_FORMAT = "eldr.expert-placement.v1"
@@ -36,24 +37,8 @@ def load_routing(routing_path) -> Artifact:
 
 
 def check_routing_matches_trace(routing: Artifact, trace: Trace) -> None:
-    got = routing.manifest.get("inputs", {}).get("trace", {}).get("content_hash")
-    if got != trace.content_hash:
-        raise EldrError(f"routing artifact {routing.path} was fitted on another trace than {trace.path} "
-                        f"(trace content hash {str(got)[:12]} in its manifest, {str(trace.content_hash)[:12]} here)",
-                        hint="pass the trace the routing artifact was fitted on, or refit: "
-                             f"`eldr fit --trace {trace.path} ...`")
-    shape = (routing.params.get("num_layers"), routing.params.get("num_experts"))
-    if shape != (trace.num_layers, trace.num_experts):
-        raise EldrError(f"routing artifact is for L={shape[0]}, E={shape[1]}; the trace has "
-                        f"L={trace.num_layers}, E={trace.num_experts}")
-
-
-def _check_decoders(routing: Artifact, decoders: int | None, what: str = "--decoders") -> int:
-    K = int(routing.params["n_clusters"])
-    if decoders is not None and int(decoders) != K:
-        raise EldrError(f"K mismatch: {what} is {decoders} but routing artifact {routing.path} has K={K} "
-                        "decoders (centroids)", hint=f"use K={K} or refit with `eldr fit --decoders {decoders}`")
-    return K
+    checks.check_same_trace(routing, trace, "routing artifact")
+    checks.check_same_model_shape(routing, trace, "routing artifact")
 
 
 # -- export in vLLM's EPLB representation -----------------------------------------------------------
@@ -124,11 +109,10 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     trace = read_trace(trace_path, with_picks=False)
     check_ep_size(trace.num_experts, ep_size)
     check_ep_size(trace.num_experts, ep_size, redundant_experts)
-    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
-        raise EldrError(f"--batch-size must be a positive integer, got {batch_size}")
+    checks.check_batch_size(batch_size)
     routing = load_routing(routing_path)
     check_routing_matches_trace(routing, trace)
-    K = _check_decoders(routing, decoders)
+    K = checks.check_k_matches(routing, decoders)
     labels = routing.array("labels")
     if labels.shape != (trace.n_requests,):
         raise EldrError(f"routing labels cover {labels.shape[0]} requests, the trace has {trace.n_requests}")
@@ -321,10 +305,8 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
 
     from eldr_cli.stages.routing import RoutingModel, make_policy
 
-    if isinstance(batch_size, bool) or int(batch_size) < 1:
-        raise EldrError(f"--batch-size must be a positive integer, got {batch_size}")
-    if tau is not None and not 0.0 <= tau <= 1.0:
-        raise EldrError(f"--tau must be in [0, 1], got {tau}")
+    checks.check_batch_size(batch_size)
+    checks.check_tau(tau)
     trace = read_trace(trace_path, with_picks=True)
     if trace.decode_picks is None:
         raise EldrError(f"trace {trace.path} has no per-step decode picks (decode_picks); evaluation replays them",
@@ -332,7 +314,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
     routing = load_routing(routing_path)
     check_routing_matches_trace(routing, trace)
     plc = Artifact(placement_path, kind="placement")
-    K = _check_decoders(routing, plc.params["n_decoders"], what=f"placement {plc.path} n_decoders")
+    K = checks.check_k_matches(routing, plc.params["n_decoders"], what=f"placement {plc.path} n_decoders")
     got = plc.manifest["inputs"].get("routing", {}).get("content_hash")
     if got != routing.content_hash:
         raise EldrError(f"placement {plc.path} was fitted from another routing artifact than {routing.path}",
