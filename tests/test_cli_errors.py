@@ -392,3 +392,51 @@ def test_from_trace_follows_symbolic_links_and_names_what_it_skips(tmp_path):
     assert sorted(set(domains)) == ["law", "main", "medicine"] and len(domains) == 9
     assert "gsm8k/again" in r.stderr  # the loop, named
     assert "skipped (unreadable files)" in r.stdout and "1" in r.stdout.split("skipped (unreadable files)")[1][:20]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables fit an 80-column terminal without cutting names or numbers, and print in full otherwise
+
+def _eldr_cols(cwd: Path, *args: str, columns: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in ENV.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = columns
+    return subprocess.run([sys.executable, "-m", "eldr_cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def test_tables_fit_80_columns(workspace, tmp_path):
+    from eldr_cli.capture.oic_fixtures import write_oic_tree
+
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    write_oic_tree(tmp_path / "src", n_per_subject=2)
+    commands = [
+        ["fit", "--trace", "trace", "-k", "2", "--out", "fit2", "--pairs", "300", "--no-figures"],
+        ["inspect", "fit/routing"],
+        ["inspect", "trace"],
+        ["place-experts", "evaluate", "--trace", "trace", "--routing", "fit/routing", "--placement", "placement",
+         "--out", "pe", "--no-figures"],
+        ["capture", "--from-trace", str(tmp_path / "src" / "acme" / "Tiny-MoE"), "--out", "imported",
+         "--no-progress"],
+        ["bench", "simulate", "--trace", "trace", "--cost-model", "cost", "--routing", "fit/routing", "--out", "sim",
+         "--rates", "1", "--duration", "2", "--warmup", "0", "--prefill", "1", "--decode", "2"],
+        ["bench", "show", "sim"],
+    ]
+    for argv in commands:
+        r = _eldr_cols(ws, *argv, columns="80")
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines and max(len(ln) for ln in lines) <= 80, (argv, r.stdout)
+        assert "…" not in r.stdout, (argv, r.stdout)
+    assert "round-robin" in r.stdout and "TPOT p99" in r.stdout and "ITL p50" not in r.stdout
+    # --wide on a narrow terminal: every column, folded, nothing cut
+    r = _eldr_cols(ws, "bench", "show", "sim", "--wide", columns="80")
+    assert r.returncode == 0 and "ITL" in r.stdout and "lag" in r.stdout and "…" not in r.stdout
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= 80
+    # a pipe without COLUMNS: every column on one line each
+    r = _eldr_cols(ws, "bench", "show", "sim", columns=None)
+    assert r.returncode == 0 and "ITL p50" in r.stdout and "lag p50" in r.stdout and "…" not in r.stdout
+    full = _eldr_cols(ws, "inspect", "trace", columns=None).stdout
+    assert str(ws / "trace") not in full  # relative path shown as given
+    assert "prefill_counts" in full and "…" not in full

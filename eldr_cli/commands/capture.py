@@ -81,15 +81,12 @@ def capture_cmd(
 
 
 def _summary(console, out: Path, m: dict, *, title: str) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import table
 
     art = Artifact(out, kind="trace")
     p = art.params
-    t = Table(title=title, show_header=False)
-    t.add_column("", style="bold")
-    t.add_column("")
+    t = table("", "", title=title, show_header=False, numeric_from=2)
 
     def add(k, v):
         if v is not None:

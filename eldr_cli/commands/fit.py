@@ -95,16 +95,12 @@ def fit_cmd(
 
 
 def _print_layers(path: Path) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.console import console
+    from eldr_cli.console import console, table
 
     a = Artifact(path)
     m = a.metrics
-    t = Table(title=f"signature quality rho (Eq. 1), {a.params['pairs']} pairs")
-    t.add_column("transform")
-    t.add_column("rho (all layers)", justify="right")
+    t = table("transform", "rho (all layers)", title=f"signature quality rho (Eq. 1), {a.params['pairs']} pairs")
     for k, v in sorted(m["rho_by_transform"].items(), key=lambda kv: -kv[1]):
         t.add_row(k + (" *" if k == a.params["transform"] else ""), f"{v:.4f}")
     console.print(t)

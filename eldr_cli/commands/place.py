@@ -98,19 +98,15 @@ def _print_placement(path: Path) -> None:
 
 
 def _print_eval(path: Path) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.console import console
+    from eldr_cli.console import console, table
 
     a = Artifact(path, kind="placement-eval")
     m, p = a.metrics, a.params
     src = m["trace_source"]
-    t = Table(title=f"max activated experts per EP rank per decode step (R={p['ep_size']}, policy {p['policy']}, "
+    t = table("layout", "mean", "gap to ceil(active/R)",
+              title=f"max activated experts per EP rank per decode step (R={p['ep_size']}, policy {p['policy']}, "
                     f"B={p['batch_size']}; {'GENERATED' if src == 'generated' else src} trace)")
-    t.add_column("layout")
-    t.add_column("mean", justify="right")
-    t.add_column("gap to ceil(active/R)", justify="right")
     names = {"contiguous": "contiguous", "global_eplb": "global EPLB", "per_decoder": "per-decoder"}
     for k, n in names.items():
         t.add_row(n, f"{m['mean_max_active_per_rank'][k]:.3f}", f"{100 * m['gap_to_lower_bound'][k]:+.1f}%")
