@@ -1,5 +1,10 @@
 """The `eldr` command. Each subcommand lives in eldr_cli/commands/<name>.py and registers itself;
-heavy libraries are imported inside the commands so `eldr --help` starts fast."""
+heavy libraries are imported inside the commands so `eldr --help` starts fast.
+
+Exit codes: 0 success, 2 anything the user can fix (usage errors, bad files, refused outputs),
+130 interrupted (Ctrl-C). typer vendors click as ``typer._click``; its exceptions are not the
+``click`` package's, so both are caught here.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ app = typer.Typer(
 # one module per subcommand (or group); each defines register(app)
 COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture"]
 
+INTERRUPTED = 130
+
 
 def _register() -> None:
     import importlib
@@ -28,43 +35,108 @@ def _register() -> None:
         importlib.import_module(f"eldr_cli.commands.{name}").register(app)
 
 
-@app.callback()
-def _main(version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
-    if version:
+def _no_type_for_flags() -> None:
+    """typer 0.29 shows ``<bool>`` after flags such as ``--vanilla`` that take no value; show nothing."""
+    from typer.core import TyperOption
+
+    if getattr(TyperOption.display_type_rich, "_eldr", False):
+        return
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._eldr = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+def _print_version(value: bool) -> None:
+    # eager: runs while parsing, before click asks for a subcommand
+    if value:
         from eldr_cli import __version__
 
         typer.echo(f"eldr {__version__}")
         raise typer.Exit(0)
 
 
-def run(argv: list[str] | None = None) -> int:
-    """Entry point: runs the app, turning EldrError into one message and exit code 2."""
-    _register()
-    try:
-        app(args=argv, standalone_mode=False)
-    except EldrError as e:
-        from rich.console import Console
-        from rich.markup import escape
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    pass
 
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except SystemExit as e:  # typer.Exit inside commands
-        return int(e.code or 0)
-    except Exception as e:  # click usage errors carry their own exit codes
+
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """(ClickException, Exit, Abort) types of typer's vendored click and, if installed, of click."""
+    from typer import _click
+    from typer import exceptions as texc
+
+    errors: list[type] = [_click.exceptions.ClickException]
+    exits: list[type] = [texc.Exit]
+    aborts: list[type] = [texc.Abort]
+    try:  # a plugin or a library may still raise the real click's exceptions
         import click
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            return e.exit_code
-        if isinstance(e, click.exceptions.Exit):
-            return e.exit_code
-        if isinstance(e, click.exceptions.Abort):  # click turns Ctrl-C into Abort
-            print("interrupted", file=sys.stderr)
-            return 130
-        raise
+        errors.append(click.exceptions.ClickException)
+        exits.append(click.exceptions.Exit)
+        aborts.append(click.exceptions.Abort)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errors), tuple(exits), tuple(aborts)
+
+
+def _interrupted() -> int:
+    print("interrupted", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _print_error(e: EldrError) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+    return e.exit_code
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and returns the exit code.
+
+    EldrError -> one ``error: ...`` line (+ hint), exit 2; click usage errors -> click's
+    ``Error: ...`` with exit 2; Ctrl-C -> ``interrupted``, exit 130.
+    """
+    _register()
+    _no_type_for_flags()
+    click_errors, click_exits, click_aborts = _click_exception_types()
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="eldr")
+    except EldrError as e:
+        return _print_error(e)
+    except KeyboardInterrupt:
+        return _interrupted()
+    except (ValueError, TypeError) as e:  # the method's parameter/data checks, in the flags' words
+        from eldr_cli.commands._common import translate_stage_error
+
+        err = translate_stage_error(e)
+        if err is None:
+            raise
+        return _print_error(err)
+    except click_errors as e:
+        e.show()
+        return int(e.exit_code)
+    except click_exits as e:
+        return _interrupted() if e.exit_code == INTERRUPTED else int(e.exit_code)
+    except click_aborts:  # click turns Ctrl-C at a prompt / EOF into Abort
+        return _interrupted()
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    except BrokenPipeError:  # `eldr ... | head`
+        return 0
+    # In non-standalone mode typer catches KeyboardInterrupt, turns it into Exit(130) and
+    # returns that code; commands themselves return None.
+    if isinstance(rv, int) and not isinstance(rv, bool):
+        return _interrupted() if rv == INTERRUPTED else rv
     return 0
 
 

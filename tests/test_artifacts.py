@@ -95,4 +95,6 @@ def test_tampered_file_fails_verification(small_trace, tmp_path):
     copy = tmp_path / "t"
     shutil.copytree(small_trace, copy)
     (copy / "requests.parquet").write_bytes(b"not parquet")
-    assert any("requests.parquet" in p for p in Artifact(copy).verify())
+    assert any("requests.parquet" in p for p in Artifact(copy, verify=False).verify())
+    with pytest.raises(EldrError, match="requests.parquet does not match its manifest"):
+        Artifact(copy)  # reading verifies

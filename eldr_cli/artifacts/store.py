@@ -17,6 +17,7 @@ Layout of an artifact directory::
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -29,10 +30,12 @@ from typing import Any, Iterable
 import numpy as np
 
 from eldr_cli import __version__
+from eldr_cli.artifacts.guard import MANIFEST, _os_error, check_output, replacing, sha256_file, verify_on_read
 from eldr_cli.errors import EldrError
 
-MANIFEST = "manifest.json"
 ARRAYS = "data.zarr"
+__all__ = ["Artifact", "ArtifactWriter", "MANIFEST", "ARRAYS", "check_output", "replacing", "sha256_file",
+           "verify_on_read", "read_manifest", "validate_manifest", "input_hash"]
 
 # Newest schema version of each artifact kind this tool reads and writes.
 SCHEMA_VERSIONS: dict[str, int] = {
@@ -49,14 +52,6 @@ SCHEMA_VERSIONS: dict[str, int] = {
 
 # The JSON Schemas ship inside the package (eldr_cli/schemas; in the repository a link to manifests/).
 MANIFESTS_DIR = Path(__file__).resolve().parents[1] / "schemas"
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _hash_tree(root: Path) -> dict[str, str]:
@@ -136,22 +131,28 @@ class ArtifactWriter:
     def __enter__(self) -> "ArtifactWriter":
         if self.out.exists() and not self.overwrite:
             raise EldrError(f"{self.out} exists; pass --force or choose another --out")
-        if self.out.exists() and not (self.out / MANIFEST).is_file() and any(self.out.iterdir()):
-            raise EldrError(f"{self.out} exists and is not an eldr artifact; refusing to replace it",
-                            hint="choose an empty or new --out directory")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        check_output(self.out, self.kind, self.inputs.values())
         self._input_hashes = {k: input_hash(v) for k, v in self.inputs.items()}
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
+            self.tmp.mkdir()
+        except OSError as e:
+            raise _os_error(self.out, e) from None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         assert self.tmp is not None
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+                raise _os_error(self.out, exc) from None
             return
         try:
             self._finish()
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise _os_error(self.out, e) from None
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
@@ -286,9 +287,10 @@ def validate_manifest(m: dict) -> None:
 
 
 class Artifact:
-    """A read-only view of an artifact directory."""
+    """A read-only view of an artifact directory; its files are verified against the manifest on open."""
 
-    def __init__(self, path: str | os.PathLike, kind: str | Iterable[str] | None = None, validate: bool = True):
+    def __init__(self, path: str | os.PathLike, kind: str | Iterable[str] | None = None, validate: bool = True,
+                 verify: bool = True):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         if kind is not None:
@@ -298,6 +300,8 @@ class Artifact:
                     f"{self.path} is a {self.manifest['kind']!r} artifact; expected {' or '.join(sorted(kinds))}")
         if validate:
             validate_manifest(self.manifest)
+        if verify:
+            verify_on_read(self)
         self._group = None
 
     @property
@@ -332,8 +336,14 @@ class Artifact:
     def array(self, name: str, *, lazy: bool = False):
         if not self.has_array(name):
             raise EldrError(f"{self.kind} artifact {self.path} lacks array {name!r}")
-        arr = self._zgroup()[name]
-        return arr if lazy else arr[...]
+        try:
+            arr = self._zgroup()[name]
+            return arr if lazy else arr[...]
+        except EldrError:
+            raise
+        except Exception as e:  # zstd/codec/JSON errors from a damaged chunk or array metadata
+            raise EldrError(f"cannot read array {name!r} of {self.path / ARRAYS / name}: {type(e).__name__}: {e}",
+                            hint=f"the artifact is damaged; check it with `eldr inspect {self.path}`") from None
 
     def table(self, name: str):
         import polars as pl
@@ -341,7 +351,11 @@ class Artifact:
         f = self.path / f"{name}.parquet"
         if not f.is_file():
             raise EldrError(f"{self.kind} artifact {self.path} lacks table {name!r}")
-        return pl.read_parquet(f)
+        try:
+            return pl.read_parquet(f)
+        except Exception as e:  # truncated or foreign Parquet
+            raise EldrError(f"cannot read table {f}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                            hint=f"the artifact is damaged; check it with `eldr inspect {self.path}`") from None
 
     def verify(self) -> list[str]:
         """Re-hash the files; return a list of problems (empty when intact)."""

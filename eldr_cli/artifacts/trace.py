@@ -21,6 +21,7 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.errors import EldrError
 
+SPLITS = ("calibration", "evaluation", "all")
 REQUEST_COLUMNS = ("request_id", "domain", "language", "prompt_tokens", "decode_tokens", "source", "split", "prompt")
 
 
@@ -68,6 +69,8 @@ class Trace:
         """Boolean [R] of requests in ``split`` (calibration/evaluation); all when None."""
         if split is None or split == "all":
             return np.ones(self.n_requests, dtype=bool)
+        if split not in SPLITS:
+            raise EldrError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
         m = self.column("split") == split
         if not m.any():
             raise EldrError(f"trace {self.path} has no requests in split {split!r}",

@@ -107,51 +107,64 @@ def _signed(v):
     return "-" if v is None else f"{v:+.1f}%"
 
 
-def runs_table(runs: list[dict], mode: str):
-    from rich.table import Table
+def runs_table(runs: list[dict], mode: str, *, wide: bool = True):
+    """Per (router, rate); ``wide`` adds ITL, E2EL, throughput and schedule lag (80 columns without)."""
+    from eldr_cli.console import table
 
-    t = Table(title=f"per rate -- {MODE_LABEL[mode]}")
-    for c in ("router", "rate", "done", "failed", "TTFT p50", "TPOT p50", "TPOT p99", "ITL p50", "E2EL p50",
-              "tok/s", "lag p50"):
-        t.add_column(c, justify="left" if c == "router" else "right")
+    cols = ["router", "rate", "done", "failed", "TTFT p50", "TPOT p50", "TPOT p99"]
+    if wide:
+        cols += ["ITL p50", "E2EL p50", "tok/s", "lag p50"]
+    t = table(*cols, title=f"per rate (ms) -- {MODE_LABEL[mode]}")
     for r in runs:
         failed = r["failed"]
-        t.add_row(r["router"], _f(r["request_rate"], "{:g}"), str(r["completed"]),
-                  f"[red]{failed}[/]" if failed else "0", _f(r.get("median_ttft_ms")), _f(r.get("median_tpot_ms")),
-                  _f(r.get("p99_tpot_ms")), _f(r.get("median_itl_ms")), _f(r.get("median_e2el_ms"), "{:.0f}"),
-                  _f(r.get("output_throughput"), "{:.0f}"), _f(r.get("median_schedule_lag_ms"), "{:.2f}"))
+        row = [r["router"], _f(r["request_rate"], "{:g}"), str(r["completed"]),
+               f"[red]{failed}[/]" if failed else "0", _f(r.get("median_ttft_ms")), _f(r.get("median_tpot_ms")),
+               _f(r.get("p99_tpot_ms"))]
+        if wide:
+            row += [_f(r.get("median_itl_ms")), _f(r.get("median_e2el_ms"), "{:.0f}"),
+                    _f(r.get("output_throughput"), "{:.0f}"), _f(r.get("median_schedule_lag_ms"), "{:.2f}")]
+        t.add_row(*row)
     return t
 
 
-def comparison_table(comp: list[dict], mode: str):
-    from rich.table import Table
+def comparison_table(comp: list[dict], mode: str, *, wide: bool = True):
+    """Per router, mean over rates; ``wide`` adds the % vs round-robin of TPOT p99 and the TTFT columns."""
+    from eldr_cli.console import table
 
-    t = Table(title=f"routers, mean over rates -- {MODE_LABEL[mode]} (ms; % vs round-robin / vs best load balancer)")
-    for c in ("router", "TPOT p50", "vs RR", "vs best LB", "TPOT p99", "vs RR", "vs best LB", "TTFT p50",
-              "vs RR", "failed"):
-        t.add_column(c, justify="left" if c == "router" else "right")
+    cols = ["router", "TPOT p50", "vs RR", "vs LB", "TPOT p99"] + (["vs RR"] if wide else []) + ["vs LB"]
+    cols += (["TTFT p50", "vs RR"] if wide else []) + ["failed"]
+    t = table(*cols, title=f"routers, mean over rates (ms) -- {MODE_LABEL[mode]}; "
+                           "% vs round-robin (RR) and vs the best load balancer (LB)")
     for c in comp:
-        t.add_row(c["router"], _f(c["median_tpot_ms"]), _signed(c["median_tpot_ms_pct_vs_rr"]),
-                  _signed(c["median_tpot_ms_pct_vs_best_lb"]), _f(c["p99_tpot_ms"]), _signed(c["p99_tpot_ms_pct_vs_rr"]),
-                  _signed(c["p99_tpot_ms_pct_vs_best_lb"]), _f(c["median_ttft_ms"]), _signed(c["median_ttft_ms_pct_vs_rr"]),
-                  f"[red]{c['failed']}[/]" if c["failed"] else "0")
+        row = [c["router"], _f(c["median_tpot_ms"]), _signed(c["median_tpot_ms_pct_vs_rr"]),
+               _signed(c["median_tpot_ms_pct_vs_best_lb"]), _f(c["p99_tpot_ms"])]
+        row += [_signed(c["p99_tpot_ms_pct_vs_rr"])] if wide else []
+        row += [_signed(c["p99_tpot_ms_pct_vs_best_lb"])]
+        row += [_f(c["median_ttft_ms"]), _signed(c["median_ttft_ms_pct_vs_rr"])] if wide else []
+        row += [f"[red]{c['failed']}[/]" if c["failed"] else "0"]
+        t.add_row(*row)
     return t
 
 
-def print_bench(path: str | os.PathLike, console=None) -> dict:
-    """Print an existing bench artifact's tables; returns its summary."""
+def print_bench(path: str | os.PathLike, console=None, *, wide: bool = False) -> dict:
+    """Print an existing bench artifact's tables; returns its summary.
+
+    The tables fit 80 columns; their optional columns show with ``wide`` or on a wide enough
+    console (always when stdout is not a terminal)."""
     import json
 
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console as default
+    from eldr_cli.console import show_wide
 
     con = console or default
     art = Artifact(path, kind="bench")
     summary = json.loads((Path(path) / "summary.json").read_text())
     mode = art.params["mode"]
-    con.print(runs_table(summary["runs"], mode))
+    wide = show_wide(wide, con)
+    con.print(runs_table(summary["runs"], mode, wide=wide))
     if len(summary["comparison"]) > 1:
-        con.print(comparison_table(summary["comparison"], mode))
+        con.print(comparison_table(summary["comparison"], mode, wide=wide))
     failed = sum(r["failed"] for r in summary["runs"])
     if failed:
         con.print(f"[bold red]{failed} measured requests failed[/] (by outcome: "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,44 @@ class SweepPlan:
     admin_token: str | None = None
     drain_timeout_s: float | None = None
     switch: bool = False   # switch the proxy's policy to each router through /admin/policy
+
+
+def _admin_call(url: str, token: str | None, body: dict | None = None) -> dict:
+    """GET /admin/workers (the proxy's pools and policy) or POST /admin/policy, synchronously, so it
+    also works after Ctrl-C has abandoned the bench's event loop."""
+    import urllib.error
+    import urllib.request
+
+    from eldr_cli.bench.client import base_url
+
+    if not token:
+        raise EldrError("switching routers needs the proxy's admin token",
+                        hint="pass --admin-token or set ELDR_ADMIN_TOKEN (the one serve-proxy was started with)")
+    path = "/admin/workers" if body is None else "/admin/policy"
+    req = urllib.request.Request(base_url(url) + path, method="GET" if body is None else "POST",
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=15) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise EldrError(f"the proxy answered {path} with HTTP {e.code}: {e.read()[:300]!r}",
+                        hint="check --admin-token (the one serve-proxy was started with)") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise EldrError(f"cannot reach the proxy admin endpoint at {url}: {e}") from None
+
+
+def _cancel_pending(loop) -> None:
+    """After Ctrl-C the bench's tasks are still pending: cancel them and let their cleanup (sessions,
+    live view) run, instead of Python printing 'coroutine ignored GeneratorExit' at exit."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        try:
+            loop.run_until_complete(asyncio.wait(pending, timeout=5))
+        except BaseException:  # a second Ctrl-C: give up cleaning up
+            pass
 
 
 def read_cluster_file(path) -> dict:
@@ -228,12 +267,26 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     plan = SweepPlan(rates=list(rates), duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness, seed=seed,
                      routers=tuple(routers) if routers else (router_name,), tau=tau, admin_token=admin_token,
                      drain_timeout_s=timeout_s + 5, switch=bool(routers))
+    found = _admin_call(url, admin_token) if plan.switch else None  # the policy to put back afterwards
     loop = new_event_loop()
+    finished = False
     try:
         runs, frames, steps, meta = loop.run_until_complete(_bench(cfg, items, plan, mode, decode_urls,
                                                                     live and console is not None, console))
+        finished = True
     finally:
+        _cancel_pending(loop)
         loop.close()
+        if found is not None:  # on success, error and Ctrl-C alike
+            back = {"policy": found["policy"], **({"tau": found.get("tau")} if tau is not None else {})}
+            try:
+                _admin_call(url, admin_token, back)
+                if console is not None:
+                    console.print(f"proxy policy restored to {found['policy']}")
+            except EldrError as e:
+                if finished:
+                    raise
+                print(f"could not restore the proxy policy {found['policy']!r}: {e}", file=sys.stderr)
     params = {"url": url, "model": meta.get("model"), "rates": list(rates), "duration_s": duration_s,
               "warmup_s": warmup_s, "max_tokens": max_tokens, "burstiness": burstiness, "seed": seed,
               "timeout_s": timeout_s, "ignore_eos": ignore_eos, "domain_header": cfg.domain_header, "tau": tau,

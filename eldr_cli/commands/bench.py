@@ -9,42 +9,59 @@ from typing import Optional
 
 import typer
 
+from eldr_cli.commands._common import force_option, positive, replacing, split_option
+
 bench_app = typer.Typer(help="TTFT/TPOT benchmarks: real endpoints, emulated clusters, the simulator, "
                              "and the MoE-layer cost model.", no_args_is_help=True)
 
 RATES = typer.Option("20,40,60,80,100", "--rates", help="Request rates (req/s), comma separated.")
-DURATION = typer.Option(120.0, "--duration", help="Measured seconds per rate.")
-WARMUP = typer.Option(30.0, "--warmup", help="Seconds sent before measuring (excluded from the summary).")
-MAX_TOKENS = typer.Option(512, "--max-tokens", help="Output tokens per request.")
-BURST = typer.Option(1.0, "--burstiness", help="Gamma shape of inter-arrivals (1 = Poisson, <1 burstier).")
+DURATION = typer.Option(120.0, "--duration", callback=positive, help="Measured seconds per rate.")
+WARMUP = typer.Option(30.0, "--warmup", min=0.0, help="Seconds sent before measuring (excluded from the summary).")
+MAX_TOKENS = typer.Option(512, "--max-tokens", min=1, help="Output tokens per request.")
+BURST = typer.Option(1.0, "--burstiness", callback=positive,
+                     help="Gamma shape of inter-arrivals (1 = Poisson, <1 burstier).")
 SEED = typer.Option(0, "--seed")
+TIMEOUT = typer.Option(600.0, "--timeout", callback=positive, help="Per-request timeout (s).")
+FORCE = force_option()
+WIDE = typer.Option(False, "--wide", help="Show every table column (the default fits 80 columns).")
+SPLIT = split_option(None, help="With a trace as --prompts: calibration|evaluation|all.")
 
 
 def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
                   ignore_eos, model, mode, cluster, split, live, label, routers=None, tau=None, admin_token=None,
-                  router_name="as-deployed"):
+                  router_name="as-deployed", force=False, wide=False):
+    from eldr_cli.artifacts.guard import check_output
     from eldr_cli.bench.results import print_bench
     from eldr_cli.bench.serve import run_bench
     from eldr_cli.bench.workload import parse_rates
     from eldr_cli.console import console
+    from eldr_cli.errors import EldrError
 
-    run_bench(out, url=url, prompts=prompts, rates=parse_rates(rates), duration_s=duration, warmup_s=warmup,
-              max_tokens=max_tokens, burstiness=burstiness, seed=seed, timeout_s=timeout,
-              domain_header=domain_header, ignore_eos=ignore_eos, model=model, routers=routers, tau=tau,
-              admin_token=admin_token, mode=mode, cluster_file=cluster, split=split,
-              live=live and console.is_terminal, label=label, api_key=os.environ.get("OPENAI_API_KEY"),
-              router_name=router_name, console=console)
-    print_bench(out)
+    check_output(out, "bench", [prompts], force=force or None)  # before minutes of load
+    with replacing(out, force):
+        run_bench(out, url=url, prompts=prompts, rates=parse_rates(rates), duration_s=duration, warmup_s=warmup,
+                  max_tokens=max_tokens, burstiness=burstiness, seed=seed, timeout_s=timeout,
+                  domain_header=domain_header, ignore_eos=ignore_eos, model=model, routers=routers, tau=tau,
+                  admin_token=admin_token, mode=mode, cluster_file=cluster, split=split,
+                  live=live and console.is_terminal, label=label, api_key=os.environ.get("OPENAI_API_KEY"),
+                  router_name=router_name, console=console)
+    summary = print_bench(out, wide=wide)
+    done = sum(r["completed"] for r in summary["runs"])
+    if done == 0:
+        failed = sum(r["failed"] for r in summary["runs"])
+        raise EldrError(f"every measured request failed ({failed} of {failed}); nothing was measured "
+                        f"(the record is kept in {out})", hint="check --url, --model and the servers' logs")
 
 
 @bench_app.command("serve")
 def serve_cmd(
     url: str = typer.Option(..., "--url", help="OpenAI-compatible base URL (the proxy or one vLLM server)."),
-    prompts: Path = typer.Option(..., "--prompts", help="JSONL with {\"prompt\", \"domain\"} per line, or a trace artifact."),
+    prompts: Path = typer.Option(..., "--prompts",
+                                 help="JSONL with {\"prompt\", \"domain\"} per line, or a trace artifact."),
     out: Path = typer.Option(Path("artifacts/bench"), "--out"),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
-    timeout: float = typer.Option(600.0, "--timeout", help="Per-request timeout (s)."),
+    timeout: float = TIMEOUT,
     domain_header: bool = typer.Option(False, "--domain-header", help="Send X-Eldr-Domain (oracle Domain baseline)."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
     model: Optional[str] = typer.Option(None, "--model", help="Model name to send (default: first of /v1/models)."),
@@ -52,13 +69,15 @@ def serve_cmd(
     mode: Optional[str] = typer.Option(None, "--mode", help="real (default) or emulated."),
     cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster file of `eldr emulate` (mode emulated; "
                                                                    "fetches active-expert step logs)."),
-    split: Optional[str] = typer.Option(None, "--split", help="With a trace as --prompts: calibration|evaluation|all."),
+    split: Optional[str] = SPLIT,
     live: bool = typer.Option(True, "--live/--no-live", help="Rich live view while running."),
     label: str = typer.Option("", "--label", help="Title for tables and figures."),
+    force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Poisson (or gamma) load at each rate; per-request TTFT/TPOT/ITL/E2EL; vllm-bench-serve summary keys."""
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
-                  ignore_eos, model, mode, cluster, split, live, label, router_name=router_name)
+                  ignore_eos, model, mode, cluster, split, live, label, router_name=router_name, force=force, wide=wide)
 
 
 @bench_app.command("sweep")
@@ -67,18 +86,21 @@ def sweep_cmd(
     prompts: Path = typer.Option(..., "--prompts"),
     out: Path = typer.Option(Path("artifacts/bench-sweep"), "--out"),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
-    tau: Optional[float] = typer.Option(None, "--tau", help="ELDR band width (default: the routing artifact's)."),
+    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0,
+                                        help="ELDR band width (default: the routing artifact's)."),
     admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN"),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
-    timeout: float = typer.Option(600.0, "--timeout"),
+    timeout: float = TIMEOUT,
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos"),
     model: Optional[str] = typer.Option(None, "--model"),
     mode: Optional[str] = typer.Option(None, "--mode"),
     cluster: Optional[Path] = typer.Option(None, "--cluster"),
-    split: Optional[str] = typer.Option(None, "--split"),
+    split: Optional[str] = SPLIT,
     live: bool = typer.Option(True, "--live/--no-live"),
     label: str = typer.Option("", "--label"),
+    force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Same rates for several decode routers on one worker pool (switched via the proxy's /admin/policy);
     one table with % change vs round-robin and vs the best load balancer; Fig. 11 (and Fig. 13 if emulated)."""
@@ -89,7 +111,7 @@ def sweep_cmd(
         raise EldrError("--routers is empty")
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, True,
                   ignore_eos, model, mode, cluster, split, live, label, routers=names, tau=tau,
-                  admin_token=admin_token)
+                  admin_token=admin_token, force=force, wide=wide)
 
 
 @bench_app.command("simulate")
@@ -99,41 +121,49 @@ def simulate_cmd(
     routing: Optional[Path] = typer.Option(None, "--routing", help="Routing (or fit) artifact; needed by eldr/domain."),
     out: Path = typer.Option(Path("artifacts/bench-sim"), "--out"),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts to send (default: the trace's --split)."),
-    split: str = typer.Option("evaluation", "--split", help="Trace split to send when --prompts is not given."),
+    split: str = split_option("evaluation", help="Trace split to send when --prompts is not given."),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
-    prefill: int = typer.Option(8, "--prefill"), decode: int = typer.Option(16, "--decode"),
-    tau: Optional[float] = typer.Option(None, "--tau"),
-    max_seqs: int = typer.Option(256, "--max-seqs"),
+    prefill: int = typer.Option(8, "--prefill", min=1), decode: int = typer.Option(16, "--decode", min=1),
+    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0),
+    max_seqs: int = typer.Option(256, "--max-seqs", min=1),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
     label: str = typer.Option("", "--label"),
+    force: bool = FORCE,
+    wide: bool = WIDE,
 ) -> None:
     """Discrete-event SIMULATION of PxD with the same traces, cost model and routing objects; no HTTP."""
+    from eldr_cli.artifacts.guard import check_output
     from eldr_cli.bench.results import print_bench
     from eldr_cli.bench.workload import parse_rates
     from eldr_cli.console import console
+    from eldr_cli.errors import EldrError
     from eldr_cli.pipeline.simulate import run_simulate
 
     names = [r.strip() for r in routers.split(",") if r.strip()]
-    with console.status("simulating ..."):
+    if not names:
+        raise EldrError("--routers is empty")
+    check_output(out, "bench", [p for p in (trace, cost_model, routing, prompts) if p], force=force or None)
+    with console.status("simulating ..."), replacing(out, force):
         run_simulate(out, trace=trace, cost_model=cost_model, prompts=prompts, split=split, routers=names,
                      rates=parse_rates(rates), n_prefill=prefill, n_decode=decode, duration_s=duration,
                      warmup_s=warmup, max_tokens=max_tokens, burstiness=burstiness, routing=routing, tau=tau,
                      seed=seed, max_seqs=max_seqs, title=label)
-    print_bench(out)
+    print_bench(out, wide=wide)
 
 
 @bench_app.command("moe-layer")
 def moe_layer_cmd(
     out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
-    experts: int = typer.Option(64, "--experts"), hidden: int = typer.Option(1024, "--hidden"),
-    intermediate: int = typer.Option(512, "--intermediate"), top_k: int = typer.Option(8, "--top-k"),
+    experts: int = typer.Option(64, "--experts", min=1), hidden: int = typer.Option(1024, "--hidden", min=1),
+    intermediate: int = typer.Option(512, "--intermediate", min=1), top_k: int = typer.Option(8, "--top-k", min=1),
     batches: str = typer.Option("1,4,16,64,128", "--batches", help="Batch sizes (tokens per step)."),
     actives: str = typer.Option("1,2,4,8,16,32,48,64", "--active", help="Distinct active experts per step."),
-    repeats: int = typer.Option(7, "--repeats"),
+    repeats: int = typer.Option(7, "--repeats", min=1),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    threads: int = typer.Option(1, "--threads", help="torch threads (1 = steadier on a shared machine)."),
+    threads: int = typer.Option(1, "--threads", min=1, help="torch threads (1 = steadier on a shared machine)."),
     seed: int = SEED,
+    force: bool = FORCE,
 ) -> None:
     """Time one MoE layer (real expert matmuls over only the active experts) on this CPU; fit the cost
     model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
@@ -148,12 +178,18 @@ def moe_layer_cmd(
         except ValueError:
             raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
         if not v or min(v) < 1:
-            raise EldrError(f"--{name} must be positive integers")
+            raise EldrError(f"--{name} must be positive integers, got {s!r}")
         return v
 
-    with console.status("timing the MoE layer ...") as st:
+    if top_k > experts:
+        raise EldrError(f"--top-k ({top_k}) must not exceed --experts ({experts})")
+    sizes = ints(batches, "batches"), ints(actives, "active")
+    from eldr_cli.artifacts.guard import check_output
+
+    check_output(out, "cost-model", force=force or None)  # before minutes of timing
+    with console.status("timing the MoE layer ...") as st, replacing(out, force):
         run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
-                      batches=ints(batches, "batches"), actives=ints(actives, "active"), repeats=repeats,
+                      batches=sizes[0], actives=sizes[1], repeats=repeats,
                       dtype=dtype, threads=threads, seed=seed,
                       progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
     a = Artifact(out)
@@ -166,11 +202,11 @@ def moe_layer_cmd(
 
 
 @bench_app.command("show")
-def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory.")) -> None:
+def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory."), wide: bool = WIDE) -> None:
     """Print a bench artifact's tables again."""
     from eldr_cli.bench.results import print_bench
 
-    print_bench(path)
+    print_bench(path, wide=wide)
 
 
 def register(app: typer.Typer) -> None:

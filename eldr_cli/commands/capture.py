@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from eldr_cli.commands._common import force_option, fraction, replacing
+
 
 def capture_cmd(
     out: Path = typer.Option(Path("artifacts/trace"), "--out", help="Trace artifact directory to write."),
@@ -15,24 +17,25 @@ def capture_cmd(
     from_trace: Path = typer.Option(None, "--from-trace", help="Import an Orders-in-Chaos trace directory "
                                                                "(<org>/<model>/<benchmark>/<subject>/<n>.json)."),
     backend: str = typer.Option("transformers", "--backend", help="transformers | vllm"),
-    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Greedy decode steps (EOS ignored)."),
-    batch_size: int = typer.Option(8, "--batch-size"),
-    chunk_size: int = typer.Option(64, "--chunk-size", help="Requests per flushed chunk (resume granularity)."),
-    limit: int = typer.Option(None, "--limit", help="Use only the first N prompts."),
-    sample: int = typer.Option(None, "--sample", help="Sample N prompts uniformly (with --seed)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", min=1, help="Greedy decode steps (EOS ignored)."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    chunk_size: int = typer.Option(64, "--chunk-size", min=1, help="Requests per flushed chunk (resume granularity)."),
+    limit: int = typer.Option(None, "--limit", min=1, help="Use only the first N prompts."),
+    sample: int = typer.Option(None, "--sample", min=1, help="Sample N prompts uniformly (with --seed)."),
     seed: int = typer.Option(0, "--seed"),
-    eval_fraction: float = typer.Option(0.2, "--eval-fraction",
+    eval_fraction: float = typer.Option(0.2, "--eval-fraction", callback=fraction,
                                         help="Share of requests (per domain) held out as the evaluation split."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted capture from its last chunk."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (transformers backend)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 | float16"),
     gate_sums: bool = typer.Option(True, "--gate-sums/--no-gate-sums",
                                    help="Record summed gate probabilities/logits over prompt tokens."),
-    num_experts: int = typer.Option(None, "--num-experts", help="--from-trace: experts per layer "
+    num_experts: int = typer.Option(None, "--num-experts", min=1, help="--from-trace: experts per layer "
                                                                 "(default: largest id seen + 1)."),
-    top_k: int = typer.Option(None, "--top-k", help="--from-trace: experts per token (default: from the data)."),
-    workers: int = typer.Option(1, "--workers", help="--from-trace: parser processes."),
+    top_k: int = typer.Option(None, "--top-k", min=1, help="--from-trace: experts per token (default: from the data)."),
+    workers: int = typer.Option(1, "--workers", min=1, help="--from-trace: parser processes."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
+    force: bool = force_option(),
 ) -> None:
     """Record which experts each request uses in prefill and decode -> the trace artifact for `eldr fit`."""
     from eldr_cli.console import console, err_console
@@ -44,21 +47,27 @@ def capture_cmd(
     if from_trace is not None:
         if model is not None or prompts is not None:
             raise EldrError("--from-trace imports recorded picks; do not combine it with --model/--prompts")
+        from eldr_cli.artifacts.guard import check_output
         from eldr_cli.pipeline.import_trace import import_trace
 
-        res = import_trace(from_trace, out, num_experts=num_experts, top_k=top_k, seed=seed,
-                           eval_fraction=eval_fraction, workers=workers, progress=progress, log=log)
+        check_output(out, "trace", [from_trace], force=force or None)  # before reading the tree
+        with replacing(out, force):
+            res = import_trace(from_trace, out, num_experts=num_experts, top_k=top_k, seed=seed,
+                               eval_fraction=eval_fraction, workers=workers, progress=progress, log=log)
         _summary(console, out, res.metrics, title=f"imported {from_trace}")
         return
     if model is None or prompts is None:
         raise EldrError("eldr capture needs --model DIR and --prompts FILE (or --from-trace DIR)")
+    from eldr_cli.artifacts.guard import check_output
     from eldr_cli.pipeline.capture import run_capture
 
+    check_output(out, "trace", [model, prompts], force=force or None)  # before loading the model
     try:
-        res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, chunk_size=chunk_size, limit=limit, sample=sample, seed=seed,
-                          eval_fraction=eval_fraction, resume=resume, device=device, dtype=dtype,
-                          gate_sums=gate_sums, progress=progress, log=log)
+        with replacing(out, force):
+            res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens,
+                              batch_size=batch_size, chunk_size=chunk_size, limit=limit, sample=sample, seed=seed,
+                              eval_fraction=eval_fraction, resume=resume, device=device, dtype=dtype,
+                              gate_sums=gate_sums, progress=progress, log=log)
     except KeyboardInterrupt:
         from eldr_cli.capture.staging import staging_dir
 
@@ -72,15 +81,12 @@ def capture_cmd(
 
 
 def _summary(console, out: Path, m: dict, *, title: str) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import table
 
     art = Artifact(out, kind="trace")
     p = art.params
-    t = Table(title=title, show_header=False)
-    t.add_column("", style="bold")
-    t.add_column("")
+    t = table("", "", title=title, show_header=False, numeric_from=2)
 
     def add(k, v):
         if v is not None:

@@ -6,18 +6,25 @@ from pathlib import Path
 
 import typer
 
+from eldr_cli.commands._common import force_option, replacing, split_option
+
 TRACE = typer.Option(..., "--trace", help="Trace artifact (from `eldr capture`).")
-SPLIT = typer.Option("calibration", "--split", help="Requests to fit on: calibration, evaluation or all.")
+SPLIT = split_option("calibration", help="Requests to fit on: calibration, evaluation or all.")
+FORCE = force_option()
+DECODERS = typer.Option(..., "--decoders", "-k", help="K = number of decode workers.")
+PAIRS = typer.Option(20000, "--pairs", min=10, help="Fixed-seed request pairs for rho (Eq. 1).")
+TAU = typer.Option(0.1, "--tau", min=0.0, max=2.0, help="Default locality band width stored for the proxy.")
 
 
 def fit_idf_cmd(trace: Path = TRACE, out: Path = typer.Option(Path("artifacts/fit/idf"), "--out"),
-                split: str = SPLIT) -> None:
+                split: str = SPLIT, force: bool = FORCE) -> None:
     """IDF weight of every (layer, expert) cell: w = log((|C|+1)/(df+1)) (ELDR §4.2.2)."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
     from eldr_cli.pipeline.fit import run_fit_idf
 
-    run_fit_idf(trace, out, split=split)
+    with replacing(out, force):
+        run_fit_idf(trace, out, split=split)
     m = Artifact(out).metrics
     console.print(f"[green]idf[/] -> {out}: {m['n_requests']} requests, w in [{m['idf_min']:.3f}, "
                   f"{m['idf_max']:.3f}], {m['cells_never_fired']} cells never fired ({m['wall_time_s']:.2f} s)")
@@ -27,71 +34,73 @@ def select_layers_cmd(
     trace: Path = TRACE,
     idf: Path = typer.Option(..., "--idf", help="IDF artifact (from `eldr fit-idf`)."),
     out: Path = typer.Option(Path("artifacts/fit/layers"), "--out"),
-    pairs: int = typer.Option(20000, "--pairs", help="Fixed-seed request pairs for rho (Eq. 1)."),
+    pairs: int = PAIRS,
     transform: str = typer.Option("auto", "--transform",
                                   help="auto|count|count-idf|sqrt|binary|gate-prob|gate-logit"),
     seed: int = typer.Option(0, "--seed"),
     split: str = SPLIT,
+    force: bool = FORCE,
 ) -> None:
     """Score signature transforms by rho and pick layers greedily; writes Fig. 7 and Fig. 8."""
     from eldr_cli.pipeline.fit import run_select_layers
 
-    run_select_layers(trace, idf, out, pairs=pairs, transform=transform, seed=seed, split=split)
+    with replacing(out, force):
+        run_select_layers(trace, idf, out, pairs=pairs, transform=transform, seed=seed, split=split)
     _print_layers(out)
 
 
 def cluster_cmd(
     trace: Path = TRACE,
     layers: Path = typer.Option(..., "--layers", help="Layers artifact (from `eldr select-layers`)."),
-    decoders: int = typer.Option(..., "--decoders", "-k", help="K = number of decode workers."),
+    decoders: int = DECODERS,
     out: Path = typer.Option(Path("artifacts/fit/routing"), "--out"),
     vanilla: bool = typer.Option(False, "--vanilla", help="Unconstrained K-means (ablation)."),
-    tau: float = typer.Option(0.1, "--tau", help="Default locality band width stored for the proxy."),
+    tau: float = TAU,
     seed: int = typer.Option(0, "--seed"),
     split: str = SPLIT,
+    force: bool = FORCE,
 ) -> None:
     """Balanced K-means (exact capacity-constrained assignment) -> the routing artifact; writes Fig. 9."""
     from eldr_cli.pipeline.fit import run_cluster
 
-    run_cluster(trace, layers, out, decoders=decoders, vanilla=vanilla, seed=seed, tau=tau, split=split)
+    with replacing(out, force):
+        run_cluster(trace, layers, out, decoders=decoders, vanilla=vanilla, seed=seed, tau=tau, split=split)
     _print_routing(out)
 
 
 def fit_cmd(
     trace: Path = TRACE,
-    decoders: int = typer.Option(..., "--decoders", "-k", help="K = number of decode workers."),
+    decoders: int = DECODERS,
     out: Path = typer.Option(Path("artifacts/fit"), "--out"),
-    pairs: int = typer.Option(20000, "--pairs"),
+    pairs: int = PAIRS,
     transform: str = typer.Option("auto", "--transform"),
-    tau: float = typer.Option(0.1, "--tau"),
+    tau: float = TAU,
     vanilla: bool = typer.Option(False, "--vanilla"),
     seed: int = typer.Option(0, "--seed"),
     split: str = SPLIT,
     figures: bool = typer.Option(True, "--figures/--no-figures", help="Write Fig. 7, 8 and 9."),
+    force: bool = FORCE,
 ) -> None:
     """fit-idf -> select-layers -> cluster in one go; OUT/routing is what `serve-proxy` loads."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
     from eldr_cli.pipeline.fit import run_fit
 
-    run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
-            vanilla=vanilla, split=split, figures=figures)
+    with replacing(out, force):
+        run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
+                vanilla=vanilla, split=split, figures=figures)
     _print_layers(out / "layers")
     _print_routing(out / "routing")
     console.print(f"fit took {Artifact(out).metrics['fit_s']:.2f} s -> [bold]{out / 'routing'}[/]")
 
 
 def _print_layers(path: Path) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.console import console
+    from eldr_cli.console import console, table
 
     a = Artifact(path)
     m = a.metrics
-    t = Table(title=f"signature quality rho (Eq. 1), {a.params['pairs']} pairs")
-    t.add_column("transform")
-    t.add_column("rho (all layers)", justify="right")
+    t = table("transform", "rho (all layers)", title=f"signature quality rho (Eq. 1), {a.params['pairs']} pairs")
     for k, v in sorted(m["rho_by_transform"].items(), key=lambda kv: -kv[1]):
         t.add_row(k + (" *" if k == a.params["transform"] else ""), f"{v:.4f}")
     console.print(t)

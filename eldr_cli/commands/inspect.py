@@ -15,13 +15,11 @@ def inspect_cmd(
     """Print an artifact's manifest, arrays and tables, and validate it against its JSON Schema."""
     import json
 
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import ARRAYS, Artifact
-    from eldr_cli.console import console
+    from eldr_cli.console import console, table
     from eldr_cli.errors import EldrError
 
-    art = Artifact(path)
+    art = Artifact(path, verify=False)  # inspect reports every difference itself
     problems = art.verify() if verify else []
     if as_json:
         console.print_json(json.dumps(art.manifest))
@@ -29,23 +27,21 @@ def inspect_cmd(
         m = art.manifest
         console.print(f"[bold]{m['kind']}[/] artifact v{m['schema_version']}  {path}")
         console.print(f"  created {m['created']} by eldr {m['tool_version']}; content {m['content_hash'][:16]}")
-        t = Table(title="parameters", show_header=False, box=None)
+        t = table("name", "value", title="parameters", show_header=False, box=None, numeric_from=2)
         for k, v in m["params"].items():
             t.add_row(k, _short(v))
         console.print(t)
         if m["inputs"]:
-            t = Table(title="inputs", show_header=True)
-            t.add_column("name")
-            t.add_column("path")
-            t.add_column("content hash")
+            t = table("name", "path", "content hash", title="inputs", numeric_from=3)
             for k, v in m["inputs"].items():
                 t.add_row(k, v["path"], v["content_hash"][:16])
             console.print(t)
+        if problems:  # a damaged artifact: say what differs before reading any of its data
+            raise EldrError(f"{path} fails verification: " + "; ".join(problems[:5]),
+                            hint="rebuild it with the stage that wrote it")
         zdir = art.path / ARRAYS
         if zdir.exists():
-            t = Table(title="arrays")
-            for c in ("name", "shape", "dtype"):
-                t.add_column(c)
+            t = table("name", "shape", "dtype", title="arrays", numeric_from=3)
             g = art._zgroup()
             for name in sorted(g.array_keys()):
                 a = g[name]
@@ -55,9 +51,7 @@ def inspect_cmd(
         if tables:
             import polars as pl
 
-            t = Table(title="tables")
-            for c in ("name", "rows", "columns"):
-                t.add_column(c)
+            t = table("name", "rows", "columns", title="tables", numeric_from=3)
             for f in tables:
                 lf = pl.scan_parquet(f)
                 cols = lf.collect_schema().names()
@@ -66,14 +60,15 @@ def inspect_cmd(
         figs = sorted(p.name for p in art.path.rglob("*.png"))
         if figs:
             console.print("figures: " + ", ".join(figs))
-        t = Table(title="metrics", show_header=False, box=None)
+        t = table("name", "value", title="metrics", show_header=False, box=None, numeric_from=2)
         for k, v in m["metrics"].items():
             t.add_row(k, _short(v))
         console.print(t)
     if problems:
         raise EldrError(f"{path} fails verification: " + "; ".join(problems[:5]))
     if not as_json:
-        console.print("[green]valid[/]: manifest matches its schema" + (" and files match their hashes" if verify else ""))
+        console.print("[green]valid[/]: manifest matches its schema"
+                      + (" and files match their hashes" if verify else ""))
 
 
 def _short(v, n: int = 120) -> str:

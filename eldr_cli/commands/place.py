@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from eldr_cli.commands._common import force_option, replacing, split_option
+
 place_app = typer.Typer(
     help="Per-decoder expert placement for expert-parallel decoders (ELDR §5) + global EPLB and contiguous "
          "baselines. `eldr place-experts --trace T --routing D --ep-size R --out P`; "
@@ -21,17 +23,18 @@ def place_cmd(
     ctx: typer.Context,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Trace artifact the routing artifact was fitted on."),
     routing: Optional[Path] = typer.Option(None, "--routing", help="Routing artifact (or fit directory)."),
-    ep_size: Optional[int] = typer.Option(None, "--ep-size", "-R", help="EP ranks per decoder; must divide E."),
+    ep_size: Optional[int] = typer.Option(None, "--ep-size", "-R", min=1, help="EP ranks per decoder; must divide E."),
     out: Path = typer.Option(Path("artifacts/placement"), "--out"),
     batch_size: Optional[int] = typer.Option(
-        None, "--batch-size", "-B",
+        None, "--batch-size", "-B", min=1,
         help="Balance the chance an expert is active in a step of B tokens, 1-(1-p)^B, instead of p."),
     redundant_experts: int = typer.Option(
-        0, "--redundant-experts",
+        0, "--redundant-experts", min=0,
         help="Extra physical slots per layer for the global EPLB baseline (E + this must be a multiple of R)."),
-    decoders: Optional[int] = typer.Option(None, "--decoders", "-k",
+    decoders: Optional[int] = typer.Option(None, "--decoders", "-k", min=1,
                                            help="Expected K; checked against the routing artifact."),
     figures: bool = typer.Option(True, "--figures/--no-figures"),
+    force: bool = force_option(),
 ) -> None:
     """Fit per-decoder placement, global EPLB and contiguous layouts; export one vLLM EPLB map per decoder."""
     if ctx.invoked_subcommand is not None:
@@ -44,8 +47,9 @@ def place_cmd(
                         hint="eldr place-experts --trace T --routing D --ep-size R --out P")
     from eldr_cli.pipeline.place import run_place_experts
 
-    run_place_experts(trace, routing, out, ep_size=ep_size, batch_size=batch_size,
-                      redundant_experts=redundant_experts, decoders=decoders, figures=figures)
+    with replacing(out, force):
+        run_place_experts(trace, routing, out, ep_size=ep_size, batch_size=batch_size,
+                          redundant_experts=redundant_experts, decoders=decoders, figures=figures)
     _print_placement(out)
 
 
@@ -54,20 +58,25 @@ def evaluate_cmd(
     trace: Path = typer.Option(..., "--trace", help="Trace with per-step decode picks (evaluation split)."),
     routing: Path = typer.Option(..., "--routing", help="Routing artifact the placement was fitted with."),
     placement: Path = typer.Option(..., "--placement", help="Placement artifact (from `eldr place-experts`)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Evaluation artifact (default: PLACEMENT/../placement-eval)."),
-    batch_size: int = typer.Option(8, "--batch-size", "-B", help="Decode concurrency per decoder (K*B in flight)."),
+    out: Optional[Path] = typer.Option(None, "--out",
+                                       help="Evaluation artifact (default: PLACEMENT/../placement-eval)."),
+    batch_size: int = typer.Option(8, "--batch-size", "-B", min=1,
+                                   help="Decode concurrency per decoder (K*B in flight)."),
     policy: str = typer.Option("eldr", "--policy", help="eldr|round-robin|random|jsq|p2c|domain"),
-    tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the routing artifact's)."),
-    split: str = typer.Option("evaluation", "--split", help="Requests to replay."),
+    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0,
+                                        help="Locality band width (default: the routing artifact's)."),
+    split: str = split_option("evaluation", help="Requests to replay."),
     seed: int = typer.Option(0, "--seed"),
     figures: bool = typer.Option(True, "--figures/--no-figures"),
+    force: bool = force_option(),
 ) -> None:
     """Replay held-out decode through the routing policy; max activated experts per EP rank per step."""
     from eldr_cli.pipeline.evaluate import run_evaluate_placement
 
     out = out or placement.parent / "placement-eval"
-    run_evaluate_placement(trace, routing, placement, out, batch_size=batch_size, policy=policy, tau=tau,
-                           split=split, seed=seed, figures=figures)
+    with replacing(out, force):
+        run_evaluate_placement(trace, routing, placement, out, batch_size=batch_size, policy=policy, tau=tau,
+                               split=split, seed=seed, figures=figures)
     _print_eval(out)
 
 
@@ -89,28 +98,24 @@ def _print_placement(path: Path) -> None:
 
 
 def _print_eval(path: Path) -> None:
-    from rich.table import Table
-
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.console import console
+    from eldr_cli.console import console, table
 
     a = Artifact(path, kind="placement-eval")
     m, p = a.metrics, a.params
     src = m["trace_source"]
-    t = Table(title=f"max activated experts per EP rank per decode step (R={p['ep_size']}, policy {p['policy']}, "
+    t = table("layout", "mean", "gap to ceil(active/R)",
+              title=f"max activated experts per EP rank per decode step (R={p['ep_size']}, policy {p['policy']}, "
                     f"B={p['batch_size']}; {'GENERATED' if src == 'generated' else src} trace)")
-    t.add_column("layout")
-    t.add_column("mean", justify="right")
-    t.add_column("gap to ceil(active/R)", justify="right")
     names = {"contiguous": "contiguous", "global_eplb": "global EPLB", "per_decoder": "per-decoder"}
     for k, n in names.items():
         t.add_row(n, f"{m['mean_max_active_per_rank'][k]:.3f}", f"{100 * m['gap_to_lower_bound'][k]:+.1f}%")
     t.add_row("lower bound", f"{m['mean_lower_bound']:.3f}", "")
     console.print(t)
-    console.print(f"{m['n_batch_steps']} batch steps of {m['n_requests']} requests, mean batch {m['mean_batch_size']:.1f}, "
-                  f"mean active experts/layer {m['mean_active_experts']:.1f}; per-decoder vs contiguous "
-                  f"{100 * m['per_decoder_vs_contiguous']:+.1f}%, vs global EPLB {100 * m['per_decoder_vs_global_eplb']:+.1f}% "
-                  f"-> {path}")
+    console.print(f"{m['n_batch_steps']} batch steps of {m['n_requests']} requests, mean batch "
+                  f"{m['mean_batch_size']:.1f}, mean active experts/layer {m['mean_active_experts']:.1f}; "
+                  f"per-decoder vs contiguous {100 * m['per_decoder_vs_contiguous']:+.1f}%, vs global EPLB "
+                  f"{100 * m['per_decoder_vs_global_eplb']:+.1f}% -> {path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,8 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
-from eldr_cli.pipeline.place import LAYOUTS, check_decoders, check_routing_matches_trace, load_routing
+from eldr_cli.pipeline import checks
+from eldr_cli.pipeline.place import LAYOUTS, check_routing_matches_trace, load_routing
 
 
 def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decoders: int, batch_size: int,
@@ -115,10 +116,8 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
 
     from eldr_cli.stages.routing import RoutingModel, make_policy
 
-    if isinstance(batch_size, bool) or int(batch_size) < 1:
-        raise EldrError(f"--batch-size must be a positive integer, got {batch_size}")
-    if tau is not None and not 0.0 <= tau <= 1.0:
-        raise EldrError(f"--tau must be in [0, 1], got {tau}")
+    checks.check_batch_size(batch_size)
+    checks.check_tau(tau)
     trace = read_trace(trace_path, with_picks=True)
     if trace.decode_picks is None:
         raise EldrError(f"trace {trace.path} has no per-step decode picks (decode_picks); evaluation replays them",
@@ -126,7 +125,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
     routing = load_routing(routing_path)
     check_routing_matches_trace(routing, trace)
     plc = Artifact(placement_path, kind="placement")
-    K = check_decoders(routing, plc.params["n_decoders"], what=f"placement {plc.path} n_decoders")
+    K = checks.check_k_matches(routing, plc.params["n_decoders"], what=f"placement {plc.path} n_decoders")
     got = plc.manifest["inputs"].get("routing", {}).get("content_hash")
     if got != routing.content_hash:
         raise EldrError(f"placement {plc.path} was fitted from another routing artifact than {routing.path}",

@@ -15,23 +15,11 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
+from eldr_cli.pipeline import checks
 
 
 def _fit_rows(trace: Trace, split: str) -> np.ndarray:
     return np.flatnonzero(trace.split_mask(split))
-
-
-def _check_same_trace(art: Artifact, trace: Trace, what: str) -> None:
-    got = art.manifest.get("inputs", {}).get("trace", {}).get("content_hash")
-    if got != trace.content_hash:
-        raise EldrError(f"{what} {art.path} was fitted on another trace than {trace.path}",
-                        hint="rerun the earlier stages on this trace (or `eldr fit`)")
-
-
-def _check_k(decoders, n: int) -> None:
-    if isinstance(decoders, bool) or not isinstance(decoders, (int, np.integer)) or not 1 <= decoders <= n:
-        raise EldrError(f"the number of decoders K must be between 1 and the number of calibration "
-                        f"signatures N={n}, got {decoders}")
 
 
 def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
@@ -58,7 +46,7 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
 
     trace = trace or read_trace(trace_path, with_picks=False)
     idf_art = Artifact(idf_path, kind="idf")
-    _check_same_trace(idf_art, trace, "IDF artifact")
+    checks.check_same_trace(idf_art, trace, "IDF artifact")
     idf = idf_art.array("idf")
     if idf.shape != (trace.num_layers, trace.num_experts):
         raise EldrError(f"IDF table is {idf.shape}, the trace is L={trace.num_layers}, E={trace.num_experts}")
@@ -96,11 +84,10 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     from eldr_cli.stages.cluster import BalancedKMeans
     from eldr_cli.stages.signature import signatures
 
-    if not 0.0 <= tau <= 1.0:
-        raise EldrError(f"tau must be in [0, 1], got {tau}")
+    checks.check_tau(tau)
     trace = trace or read_trace(trace_path, with_picks=False)
     lay = Artifact(layers_path, kind="layers")
-    _check_same_trace(lay, trace, "layers artifact")
+    checks.check_same_trace(lay, trace, "layers artifact")
     transform = lay.params["transform"]
     weights, mask = lay.array("weights"), lay.array("mask")
     rows = _fit_rows(trace, split)
@@ -108,7 +95,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     S = signatures(src[rows], transform, weights, mask)
     ok = np.linalg.norm(S, axis=1) > 0
     rows, S = rows[ok], S[ok]
-    _check_k(decoders, len(rows))
+    checks.check_k_range(decoders, len(rows))
     t0 = time.perf_counter()
     km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
@@ -146,7 +133,7 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
     The whole directory is built beside ``out`` and renamed into place at the end.
     """
     trace = read_trace(trace_path, with_picks=False)
-    _check_k(decoders, int(trace.split_mask(split).sum()))  # fail before any work
+    checks.check_k_range(decoders, int(trace.split_mask(split).sum()))  # fail before any work
     out = Path(out)
     t0 = time.perf_counter()
     with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,

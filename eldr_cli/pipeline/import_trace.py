@@ -37,21 +37,56 @@ class BadTraceFile(Exception):
     pass
 
 
-def iter_trace_files(root: Path):
-    """Yield ``*.json`` files below ``root`` in sorted order, one directory listing at a time."""
-    stack = [root]
+def iter_trace_files(root: Path, skipped: list[tuple[Path, str]] | None = None):
+    """Yield ``*.json`` files below ``root`` in sorted order, one directory listing at a time.
+
+    Symbolic links to folders and files are followed (trace trees are often assembled from links);
+    a folder reached twice (a link loop, or two links to one folder) is walked once. Entries that
+    cannot be walked (unreadable folders, broken links, loops) are appended to ``skipped`` as
+    (path, reason); without a list they are yielded like files, so the parser counts and names them
+    among the unreadable files instead of dropping them silently.
+    """
+    def skip(p: Path, why: str):
+        if skipped is not None:
+            skipped.append((p, why))
+            return None
+        return p
+
+    seen: set[tuple[int, int]] = set()
+    stack = [Path(root)]
     while stack:
         d = stack.pop()
         try:
+            st = d.stat()
+        except OSError as e:
+            if (p := skip(d, f"unreadable ({e.strerror})")) is not None:
+                yield p
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            if (p := skip(d, "folder already walked (symbolic link loop or duplicate link)")) is not None:
+                yield p
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        try:
             entries = sorted(os.scandir(d), key=lambda e: e.name)
-        except OSError:
+        except OSError as e:
+            if (p := skip(d, f"unreadable folder ({e.strerror})")) is not None:
+                yield p
             continue
         dirs = []
         for e in entries:
-            if e.is_dir(follow_symlinks=False):
+            try:
+                is_dir = e.is_dir()  # follows symbolic links
+                is_file = not is_dir and e.is_file()
+            except OSError:
+                is_dir = is_file = False
+            if is_dir:
                 dirs.append(Path(e.path))
-            elif e.name.endswith(".json") and e.is_file():
-                yield Path(e.path)
+            elif e.name.endswith(".json"):
+                if is_file:
+                    yield Path(e.path)
+                elif (p := skip(Path(e.path), "broken symbolic link or not a file")) is not None:
+                    yield p
         stack.extend(reversed(dirs))
 
 

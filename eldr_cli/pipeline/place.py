@@ -17,6 +17,7 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
+from eldr_cli.pipeline import checks
 
 LAYOUTS = ("contiguous", "global_eplb", "per_decoder")
 EXPORT_FORMAT = "eldr.expert-placement.v1"
@@ -33,24 +34,8 @@ def load_routing(routing_path) -> Artifact:
 
 
 def check_routing_matches_trace(routing: Artifact, trace: Trace) -> None:
-    got = routing.manifest.get("inputs", {}).get("trace", {}).get("content_hash")
-    if got != trace.content_hash:
-        raise EldrError(f"routing artifact {routing.path} was fitted on another trace than {trace.path} "
-                        f"(trace content hash {str(got)[:12]} in its manifest, {str(trace.content_hash)[:12]} here)",
-                        hint="pass the trace the routing artifact was fitted on, or refit: "
-                             f"`eldr fit --trace {trace.path} ...`")
-    shape = (routing.params.get("num_layers"), routing.params.get("num_experts"))
-    if shape != (trace.num_layers, trace.num_experts):
-        raise EldrError(f"routing artifact is for L={shape[0]}, E={shape[1]}; the trace has "
-                        f"L={trace.num_layers}, E={trace.num_experts}")
-
-
-def check_decoders(routing: Artifact, decoders: int | None, what: str = "--decoders") -> int:
-    K = int(routing.params["n_clusters"])
-    if decoders is not None and int(decoders) != K:
-        raise EldrError(f"K mismatch: {what} is {decoders} but routing artifact {routing.path} has K={K} "
-                        "decoders (centroids)", hint=f"use K={K} or refit with `eldr fit --decoders {decoders}`")
-    return K
+    checks.check_same_trace(routing, trace, "routing artifact")
+    checks.check_same_model_shape(routing, trace, "routing artifact")
 
 
 # -- export in vLLM's EPLB representation -----------------------------------------------------------
@@ -121,11 +106,10 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     trace = read_trace(trace_path, with_picks=False)
     check_ep_size(trace.num_experts, ep_size)
     check_ep_size(trace.num_experts, ep_size, redundant_experts)
-    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) < 1):
-        raise EldrError(f"--batch-size must be a positive integer, got {batch_size}")
+    checks.check_batch_size(batch_size)
     routing = load_routing(routing_path)
     check_routing_matches_trace(routing, trace)
-    K = check_decoders(routing, decoders)
+    K = checks.check_k_matches(routing, decoders)
     labels = routing.array("labels")
     if labels.shape != (trace.n_requests,):
         raise EldrError(f"routing labels cover {labels.shape[0]} requests, the trace has {trace.n_requests}")

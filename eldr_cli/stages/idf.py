@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.errors import EldrError
-
 
 class ExpertIDF:
     """w(l, e) = log((|C| + 1) / (df(l, e) + 1)), df = requests in which e fires at least once at l.
@@ -17,7 +15,7 @@ class ExpertIDF:
     def fit(self, prefill_counts: np.ndarray) -> "ExpertIDF":
         c = np.asarray(prefill_counts)
         if c.ndim != 3 or c.shape[0] == 0:
-            raise EldrError(f"IDF needs prefill counts [R, L, E] with R >= 1, got shape {c.shape}")
+            raise ValueError(f"IDF needs prefill counts [R, L, E] with R >= 1, got shape {c.shape}")
         self.n_requests_ = int(c.shape[0])
         self.df_ = (c > 0).sum(axis=0).astype(np.int64)
         self.idf_ = np.log((self.n_requests_ + 1.0) / (self.df_ + 1.0))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.errors import EldrError
 from eldr_cli.stages.signature import (
     SERVABLE_TRANSFORMS,
     TRANSFORMS,
@@ -15,6 +14,7 @@ from eldr_cli.stages.signature import (
     sample_pairs,
     spearman_to_target,
 )
+from eldr_cli.stages.validation import check_choice, check_int
 
 
 class LayerSelector:
@@ -38,15 +38,13 @@ class LayerSelector:
         self.seed = seed
 
     def fit(self, prefill_counts, decode_counts, decode_steps, idf, gates: dict | None = None) -> "LayerSelector":
-        if self.transform != "auto" and self.transform not in TRANSFORMS:
-            raise EldrError(f"unknown transform {self.transform!r}; expected auto or one of {', '.join(TRANSFORMS)}")
-        if self.n_pairs < 10:
-            raise EldrError(f"--pairs must be at least 10, got {self.n_pairs}")
+        check_choice(self.transform, "transform", ("auto", *TRANSFORMS))
+        check_int(self.n_pairs, "n_pairs", min=10)
         gates = {k: v for k, v in (gates or {}).items() if v is not None}
         pc = np.asarray(prefill_counts)
         keep = (np.asarray(decode_steps) > 0) & (pc.reshape(pc.shape[0], -1).sum(axis=1) > 0)
         if keep.sum() < 2:
-            raise EldrError("layer selection needs at least 2 requests with both prefill and decode tokens")
+            raise ValueError("layer selection needs at least 2 requests with both prefill and decode tokens")
         idx = slice(None) if keep.all() else np.flatnonzero(keep)
         R, L, E = pc.shape
         self.n_requests_ = int(keep.sum())
@@ -61,7 +59,7 @@ class LayerSelector:
         candidates = [n for n in TRANSFORMS if not n.startswith("gate") or n in gates]
         if self.transform != "auto":
             if self.transform.startswith("gate") and self.transform not in gates:
-                raise EldrError(f"transform {self.transform} needs {self.transform.replace('-', '_')} sums in the "
+                raise ValueError(f"transform {self.transform} needs {self.transform.replace('-', '_')} sums in the "
                                 "trace, which this trace lacks")
             candidates = [self.transform]
         self.rho_by_transform_ = {}

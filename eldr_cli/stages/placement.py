@@ -36,24 +36,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.errors import EldrError
+from eldr_cli.stages.validation import InvalidParameterError, check_int
 
 # -- layouts -----------------------------------------------------------------------------------
 
 def check_ep_size(num_experts: int, ep_size: int, n_redundant: int = 0) -> int:
-    """Slots per rank; EldrError unless R divides E + n_redundant (equal experts per rank)."""
-    if isinstance(ep_size, bool) or not isinstance(ep_size, (int, np.integer)) or ep_size < 1:
-        raise EldrError(f"--ep-size must be a positive integer, got {ep_size!r}")
-    if n_redundant < 0:
-        raise EldrError(f"--redundant-experts must be >= 0, got {n_redundant}")
+    """Slots per rank; InvalidParameterError unless R divides E + n_redundant (equal experts per rank)."""
+    check_int(ep_size, "ep_size", min=1)
+    check_int(n_redundant, "n_redundant", min=0)
     P = num_experts + n_redundant
     if P % ep_size:
         what = f"E={num_experts}" + (f" + {n_redundant} redundant" if n_redundant else "")
         divisors = [r for r in range(1, num_experts + 1) if num_experts % r == 0]
-        raise EldrError(f"EP size R={ep_size} does not divide {what} experts per layer: every rank must hold "
-                        "the same number of experts",
-                        hint=f"choose --ep-size from {divisors}" if not n_redundant else
-                        "choose --redundant-experts so that E + redundant is a multiple of R")
+        raise InvalidParameterError(
+            "n_redundant" if n_redundant else "ep_size",
+            f"EP size R={ep_size} does not divide {what} experts per layer: every rank must hold the same number "
+            "of experts", hint=f"choose ep_size from {divisors}" if not n_redundant else
+            "choose n_redundant so that E + n_redundant is a multiple of R")
     return P // ep_size
 
 
@@ -160,12 +159,12 @@ def check_layout(physical_to_logical: np.ndarray, num_experts: int, ep_size: int
     p2l = np.asarray(physical_to_logical)
     P = p2l.shape[-1]
     if P % ep_size or P < num_experts:
-        raise EldrError(f"layout has {P} physical slots, not a multiple of R={ep_size} or fewer than E={num_experts}")
+        raise ValueError(f"layout has {P} physical slots, not a multiple of R={ep_size} or fewer than E={num_experts}")
     if p2l.min() < 0 or p2l.max() >= num_experts:
-        raise EldrError(f"layout names experts outside [0, {num_experts})")
+        raise ValueError(f"layout names experts outside [0, {num_experts})")
     counts = np.apply_along_axis(np.bincount, -1, p2l.reshape(-1, P), minlength=num_experts)
     if (counts == 0).any():
-        raise EldrError("layout leaves some experts without a slot")
+        raise ValueError("layout leaves some experts without a slot")
 
 
 # -- activation estimates ------------------------------------------------------------------------
@@ -210,12 +209,12 @@ class PerDecoderPlacement:
         steps = np.asarray(decode_steps, dtype=np.float64)
         labels = np.asarray(labels)
         if dc.ndim != 3 or steps.shape != dc.shape[:1] or labels.shape != dc.shape[:1]:
-            raise EldrError(f"decode_counts {dc.shape}, decode_steps {steps.shape} and labels {labels.shape} "
+            raise ValueError(f"decode_counts {dc.shape}, decode_steps {steps.shape} and labels {labels.shape} "
                             "disagree on the number of requests")
-        if self.batch_size is not None and (isinstance(self.batch_size, bool) or int(self.batch_size) < 1):
-            raise EldrError(f"--batch-size must be a positive integer, got {self.batch_size}")
+        if self.batch_size is not None:
+            check_int(self.batch_size, "batch_size", min=1)
         if labels.size and labels.max() >= n_decoders:
-            raise EldrError(f"labels name decoder {int(labels.max())} but K={n_decoders}")
+            raise ValueError(f"labels name decoder {int(labels.max())} but K={n_decoders}")
         _, L, E = dc.shape
         check_ep_size(E, self.ep_size)
         K = int(n_decoders)
@@ -304,7 +303,7 @@ def max_active_per_rank(active: np.ndarray, physical_to_logical: np.ndarray, ep_
     nrep = holds.sum(axis=-1)                                        # [L, E]
     single = act & (nrep == 1)[None]
     load = np.einsum("nle,ler->nlr", single.astype(np.float32), holds.astype(np.float32)).astype(np.int64)
-    for l, e in zip(*np.nonzero(nrep > 1)):  # replicated experts, in id order per layer
+    for l, e in zip(*np.nonzero(nrep > 1), strict=True):  # replicated experts, in id order per layer
         n = np.flatnonzero(act[:, l, e])
         if n.size == 0:
             continue
