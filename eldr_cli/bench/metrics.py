@@ -100,7 +100,8 @@ def summarize(df, *, request_rate: float, router: str, mode: str, burstiness: fl
     m = df.filter(~pl.col("warmup"))
     ok = m.filter(pl.col("outcome") == "ok")
     n, n_ok = len(m), len(ok)
-    by = {o: int(c) for o, c in zip(*np.unique(m["outcome"].to_numpy(), return_counts=True))} if n else {}
+    outcomes, counts = np.unique(m["outcome"].to_numpy(), return_counts=True)
+    by = {o: int(c) for o, c in zip(outcomes, counts, strict=True)} if n else {}
     failed_by = {k: v for k, v in by.items() if k != "ok"}
     out_tok = ok["output_tokens"].to_numpy().astype(np.int64) if n_ok else np.zeros(0, np.int64)
     in_tok = ok["prompt_tokens"].fill_null(0).to_numpy().astype(np.int64) if n_ok else np.zeros(0, np.int64)

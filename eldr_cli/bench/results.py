@@ -132,8 +132,9 @@ def comparison_table(comp: list[dict], mode: str):
         t.add_column(c, justify="left" if c == "router" else "right")
     for c in comp:
         t.add_row(c["router"], _f(c["median_tpot_ms"]), _signed(c["median_tpot_ms_pct_vs_rr"]),
-                  _signed(c["median_tpot_ms_pct_vs_best_lb"]), _f(c["p99_tpot_ms"]), _signed(c["p99_tpot_ms_pct_vs_rr"]),
-                  _signed(c["p99_tpot_ms_pct_vs_best_lb"]), _f(c["median_ttft_ms"]), _signed(c["median_ttft_ms_pct_vs_rr"]),
+                  _signed(c["median_tpot_ms_pct_vs_best_lb"]), _f(c["p99_tpot_ms"]),
+                  _signed(c["p99_tpot_ms_pct_vs_rr"]), _signed(c["p99_tpot_ms_pct_vs_best_lb"]),
+                  _f(c["median_ttft_ms"]), _signed(c["median_ttft_ms_pct_vs_rr"]),
                   f"[red]{c['failed']}[/]" if c["failed"] else "0")
     return t
 

@@ -304,7 +304,7 @@ def max_active_per_rank(active: np.ndarray, physical_to_logical: np.ndarray, ep_
     nrep = holds.sum(axis=-1)                                        # [L, E]
     single = act & (nrep == 1)[None]
     load = np.einsum("nle,ler->nlr", single.astype(np.float32), holds.astype(np.float32)).astype(np.int64)
-    for l, e in zip(*np.nonzero(nrep > 1)):  # replicated experts, in id order per layer
+    for l, e in zip(*np.nonzero(nrep > 1), strict=True):  # replicated experts, in id order per layer
         n = np.flatnonzero(act[:, l, e])
         if n.size == 0:
             continue

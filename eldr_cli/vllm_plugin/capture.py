@@ -97,13 +97,14 @@ class CaptureState:
                 bad.append(f"{name} ({type(getattr(m, 'router', None)).__name__}"
                            f"{', monolithic kernel' if getattr(qm, 'is_monolithic', False) else ''})")
         if bad:
-            self.disabled = "MoE kernels bypass the router hook: " + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
+            self.disabled = ("MoE kernels bypass the router hook: " + ", ".join(bad[:3])
+                             + (" ..." if len(bad) > 3 else ""))
             log.warning("eldr signatures OFF: %s; serving without signatures", self.disabled)
             return False
         runners.sort(key=lambda nm: (getattr(nm[1], "layer_id", 0) or 0, nm[0]))
         experts = set()
         topk = set()
-        for i, (name, m) in enumerate(runners):
+        for i, (_name, m) in enumerate(runners):
             cfg = getattr(m, "moe_config", None)
             e = getattr(cfg, "num_logical_experts", None) or m.router.global_num_experts
             experts.add(int(e))
