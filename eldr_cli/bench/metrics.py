@@ -10,6 +10,8 @@ never silently dropped. Requests sent during warm-up are recorded (``warmup=True
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
@@ -27,7 +29,8 @@ REQUEST_SCHEMA = {
 def requests_frame(rows: list[dict]):
     import polars as pl
 
-    dt = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean, "list[f64]": pl.List(pl.Float64)}
+    dt: dict[str, Any] = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean,
+                          "list[f64]": pl.List(pl.Float64)}
     schema = {k: dt[v] for k, v in REQUEST_SCHEMA.items()}
     cols = {k: [r.get(k) for r in rows] for k in schema}
     return pl.DataFrame(cols, schema=schema)
@@ -37,7 +40,8 @@ def requests_frame_from_columns(cols: dict, n: int):
     """The same frame from columns (numpy arrays or lists; None = all null); NaN floats become null."""
     import polars as pl
 
-    dt = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean, "list[f64]": pl.List(pl.Float64)}
+    dt: dict[str, Any] = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean,
+                          "list[f64]": pl.List(pl.Float64)}
     series = []
     for k, v in REQUEST_SCHEMA.items():
         c = cols.get(k)
@@ -68,7 +72,7 @@ def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> f
 
 
 def _stats(name: str, x: np.ndarray, weights: np.ndarray | None = None) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     if x.size == 0 or (weights is not None and weights.sum() <= 0):
         for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES)):
             out[f"{k}_{name}_ms"] = None

@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class CaptureState:
     bound: bool = False
     sc: sck.SignatureCache | None = None
     token_blocks: torch.Tensor | None = None
-    picks: torch.Tensor | None = None  # [L, rows, k] int32: the last forward's top-k ids per MoE layer
+    picks: Any = None  # torch.Tensor once bound: [L, rows, k] int32: the last forward's top-k ids per MoE layer
     slot_key: str | None = None
     active: bool = False
     disabled: str | None = None
@@ -106,8 +107,8 @@ class CaptureState:
         topk = set()
         for i, (_name, m) in enumerate(runners):
             cfg = getattr(m, "moe_config", None)
-            e = getattr(cfg, "num_logical_experts", None) or m.router.global_num_experts
-            experts.add(int(e))
+            n_exp = getattr(cfg, "num_logical_experts", None) or m.router.global_num_experts
+            experts.add(int(n_exp))
             topk.add(int(m.router.top_k))
             m.router.set_capture_fn(functools.partial(self.capture, i))
         if len(experts) != 1 or len(topk) != 1:
