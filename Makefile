@@ -13,12 +13,13 @@ PAIRS ?= 20000
 SEED ?= 0
 TRACE ?= $(ART)/trace
 
-.PHONY: venv test test-fast demo fit bench-fit lock clean help
+.PHONY: venv lint test test-fast test-slow demo fit bench-fit lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo      set up .venv and run the whole pipeline on the embedded default"
-	@echo "make test      set up .venv and run the test suite"
+	@echo "make lint      ruff + mypy (config in pyproject.toml)"
+	@echo "make test      lint, then the fast tests, then the slow and vLLM ones"
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
@@ -38,11 +39,18 @@ lock:  ## re-pin requirements.lock from the current .venv
 	  grep -v '^eldr' > requirements.lock
 
 # -- tests -----------------------------------------------------------------------------------
-test: venv
-	$(BIN)/python -m pytest -q
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+# fast tests first: a broken build fails in a minute, not after the vLLM tests
+test: lint test-fast test-slow
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m "slow or vllm"
 
 # -- the offline fit, chained through manifests ----------------------------------------------
 fit: $(ART)/fit/routing/manifest.json

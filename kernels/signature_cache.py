@@ -200,7 +200,8 @@ def accumulate(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.T
 # (b) reduce
 # ---------------------------------------------------------------------------------------------
 
-def reduce_reference(cache: torch.Tensor, fill: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_reference(cache: torch.Tensor, fill: torch.Tensor,
+                     block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """block_tables int [R, B] (-1 = no block) -> (sums int32 [R, L, E], fill sums int64 [R]).
     Loops over block-table columns like the Triton kernel (temporaries stay [R, L*E])."""
     R, B = block_tables.shape

@@ -2,7 +2,8 @@
 
 Used by tests/test_vllm_signatures.py as a subprocess (so the plugin's patches never touch the pytest
 process): ``python tests/_sig_engine_driver.py SPEC.json OUT.json``. SPEC keys: model, caching (bool),
-kv_storage (ExampleConnector dir or null), connector ("eldr": EldrSignatureConnector alone), block_size, num_blocks (or null), max_num_batched_tokens (or null), enforce_eager (default true), jobs: [{name, mode
+kv_storage (ExampleConnector dir or null), connector ("eldr": EldrSignatureConnector alone), block_size,
+num_blocks (or null), max_num_batched_tokens (or null), enforce_eager (default true), jobs: [{name, mode
 ("prefill": PD prefill requests, max_tokens=1, kv_transfer_params; "generate": greedy max_tokens
 tokens), prompts (token-id lists), max_tokens}]. OUT = {job name: [result per prompt]}.
 ELDR_SIGNATURES comes from the environment.
@@ -38,7 +39,8 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("max_num_batched_tokens"):  # chunked prefill: at most this many tokens per step
         kw["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kw["max_num_seqs"] = min(8, spec["max_num_batched_tokens"])
-    llm = LLM(spec["model"], enforce_eager=spec.get("enforce_eager", True), dtype="float32", block_size=spec.get("block_size", 32),
+    llm = LLM(spec["model"], enforce_eager=spec.get("enforce_eager", True), dtype="float32",
+              block_size=spec.get("block_size", 32),
               gpu_memory_utilization=0.1, max_model_len=1024, enable_prefix_caching=bool(spec["caching"]),
               seed=0, **kw)
     results = {}

@@ -107,7 +107,7 @@ def test_moe_layer_command_times_and_fits(tmp_path):
     assert m.top_k == 2 and m.b_ms >= 0 and m.source == "measured"
     t = pl.read_parquet(out / "moe_timings.parquet")
     # only feasible points: at most batch * top_k distinct experts
-    assert set(zip(t["batch"], t["active_experts"])) == {(1, 1), (1, 2), (4, 1), (4, 2), (4, 4), (4, 8),
+    assert set(zip(t["batch"], t["active_experts"], strict=True)) == {(1, 1), (1, 2), (4, 1), (4, 2), (4, 4), (4, 8),
                                                           (16, 1), (16, 2), (16, 4), (16, 8)}
     assert (out / "fig2_moe_layer.png").stat().st_size > 1000
 
@@ -135,7 +135,7 @@ def test_replay_union_equals_python_sets():
     want = 0
     for layer in range(3):
         s = set()
-        for r, j in zip(rows, done):
+        for r, j in zip(rows, done, strict=True):
             s |= set(t.steps_of(int(r))[j % 8, layer].tolist())
         want += len(s)
     assert rp.decode_active(rows, done) == want

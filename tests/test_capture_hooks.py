@@ -69,7 +69,7 @@ def test_batching_with_left_padding_changes_nothing(backend):
     toks = [backend.tokenize(t) for t in TEXTS]
     assert len({len(t) for t in toks}) > 1  # really padded
     batch = backend.run_batch(toks, 5)
-    for t, b in zip(toks, batch):
+    for t, b in zip(toks, batch, strict=True):
         one = backend.run_batch([t], 5)[0]
         np.testing.assert_array_equal(one.prefill_counts, b.prefill_counts)
         np.testing.assert_array_equal(one.decode_picks, b.decode_picks)

@@ -58,7 +58,7 @@ def test_fast_spearman_handles_ties_like_scipy():
     tr = _rank(target)
     tr -= tr.mean()
     got = spearman_to_target(d, tr)
-    for row, g in zip(d, got):
+    for row, g in zip(d, got, strict=True):
         assert g == pytest.approx(spearmanr(row, target).statistic, abs=1e-9)
 
 

@@ -113,7 +113,7 @@ def test_evaluate_metric_equals_brute_force_count(fitted, placed, evaluated):
         per_layer = {"active": [], "lb": [], "contiguous": [], "global_eplb": [], "per_decoder": []}
         for l in range(L):
             active = set()
-            for r, s in zip(mem["request"].to_list(), mem["request_step"].to_list()):
+            for r, s in zip(mem["request"].to_list(), mem["request_step"].to_list(), strict=True):
                 active |= {int(e) for e in trace.steps_of(r)[s, l]}
             per_layer["active"].append(len(active))
             per_layer["lb"].append(-(-len(active) // R))
@@ -134,7 +134,7 @@ def test_replay_routes_through_the_shared_policy(fitted, placed, tmp_path):
     members = Artifact(out).table("batches")
     trace = read_trace(fitted / "trace", with_picks=False)
     model = RoutingModel.load(fitted / "fit" / "routing")
-    for r, d in set(zip(members["request"].to_list(), members["decoder"].to_list())):
+    for r, d in set(zip(members["request"].to_list(), members["decoder"].to_list(), strict=True)):
         assert d == int(np.argmax(model.centroids @ model.signature(trace.prefill_counts[r])))
 
 

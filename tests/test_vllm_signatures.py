@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eldr_cli.handoff import SIGNATURE_KEY, decode_counts
 from eldr_cli.data import prompts_file
+from eldr_cli.handoff import SIGNATURE_KEY, decode_counts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -118,7 +118,8 @@ def engines(tiny_moe_dir, tmp_path_factory):
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         env = dict(os.environ, ELDR_SIGNATURES="1" if on else "0", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-        drivers[name] = subprocess.Popen([sys.executable, str(DRIVER), str(tmp / f"{name}.json"), str(tmp / f"{name}.out")],
+        drivers[name] = subprocess.Popen([sys.executable, str(DRIVER), str(tmp / f"{name}.json"),
+                                          str(tmp / f"{name}.out")],
                                          env=env, stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                                          start_new_session=True)
     srv = start_vllm(tiny_moe_dir, tmp / "A.log", signatures=True, kv_transfer_config=example_connector(tmp / "kv-A"),
@@ -137,7 +138,7 @@ def engines(tiny_moe_dir, tmp_path_factory):
             assert rc == 0, f"engine {name} failed:\n{log[-4000:]}"
             out[name] = json.loads((tmp / f"{name}.out").read_text())
             out[name + "_log"] = log
-        ref = {k: r for k, r in zip(P, out["B"]["ref"])}
+        ref = {k: r for k, r in zip(P, out["B"]["ref"], strict=True)}
         yield {"A": srv, "dec": dec, "P": P, "ref": ref, "B": out["B"], "C": out["C"], "D": out["D"], "E": out["E"],
                "E_log": out["E_log"], "tmp": tmp,
                "model": str(tiny_moe_dir), "B_log": out["B_log"], "D_log": out["D_log"]}
@@ -188,7 +189,6 @@ def test_reference_engine_caching_off_is_cold(engines):
 
 def test_signatures_exact_across_cold_full_partial_evicted(engines):
     env = engines
-    P = env["P"]
     # cold prefill
     a1 = _prefill(env, "a")
     assert a1["cached_tokens"] == 0
@@ -245,7 +245,7 @@ def test_startup_reports_cache_size_and_shares(engines):
 def test_plugin_on_and_off_give_identical_outputs(engines):
     on, off = engines["B"]["gen"], engines["C"]["gen"]
     assert len(on) == len(off) == 3
-    for a, b in zip(on, off):
+    for a, b in zip(on, off, strict=True):
         assert len(a["token_ids"]) == 16
         assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
     assert "capture hooks on 4 MoE layers" in engines["B_log"]
@@ -262,8 +262,8 @@ def test_model_without_moe_layers_serves_normally_without_signatures(engines):
 def test_pd_flow_through_the_eldr_proxy_routes_on_the_plugin_signature(engines, tmp_path):
     """openai client -> eldr serve-proxy (policy eldr) -> prefill A (plugin) -> decode worker."""
     import openai
-
     from _proxy_util import build_routing
+
     from eldr_cli.proxy import ProxyConfig, create_app
     from eldr_cli.testing.servers import ServerThread
 
@@ -290,5 +290,5 @@ def test_signatures_exact_under_torch_compile(engines):
     assert "DYNAMO_TRACE_ONCE" in engines["E_log"] or "VLLM_COMPILE" in engines["E_log"]
     got = engines["E"]["pre"]
     assert [r["cached_tokens"] for r in got] == [0, 128, 64, 0, 96]  # cold, full, partial, cold, full
-    for key, r in zip(["a", "a", "c", "b", "b"], got):
+    for key, r in zip(["a", "a", "c", "b", "b"], got, strict=True):
         _assert_exact(engines, key, r)

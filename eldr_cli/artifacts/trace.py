@@ -13,13 +13,18 @@ Schema: ``manifests/trace.v1.schema.json``. Shapes (R requests, L MoE layers, E 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.errors import EldrError
+
+if TYPE_CHECKING:
+    import polars as pl
 
 SPLITS = ("calibration", "evaluation", "all")
 REQUEST_COLUMNS = ("request_id", "domain", "language", "prompt_tokens", "decode_tokens", "source", "split", "prompt")
@@ -32,15 +37,15 @@ class Trace:
     prefill_counts: np.ndarray
     decode_counts: np.ndarray
     decode_steps: np.ndarray
-    requests: object
-    model: dict
+    requests: pl.DataFrame
+    model: dict[str, Any]
     prefill_gate_prob: np.ndarray | None = None
     prefill_gate_logit: np.ndarray | None = None
     decode_picks: np.ndarray | None = None
     decode_offsets: np.ndarray | None = None
     path: Path | None = None
     content_hash: str | None = None
-    manifest: dict = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n_requests(self) -> int:
@@ -71,7 +76,7 @@ class Trace:
             return np.ones(self.n_requests, dtype=bool)
         if split not in SPLITS:
             raise EldrError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-        m = self.column("split") == split
+        m: np.ndarray = np.asarray(self.column("split") == split)
         if not m.any():
             raise EldrError(f"trace {self.path} has no requests in split {split!r}",
                             hint="choose --split all, calibration or evaluation")
@@ -85,10 +90,11 @@ class Trace:
         if self.decode_picks is None or self.decode_offsets is None:
             raise EldrError(f"trace {self.path} has no per-step decode picks",
                             hint="capture with per-step picks (the default) to replay decode")
-        return self.decode_picks[self.decode_offsets[r]:self.decode_offsets[r + 1]]
+        return np.asarray(self.decode_picks[self.decode_offsets[r]:self.decode_offsets[r + 1]])
 
 
-def validate_trace_arrays(prefill_counts, decode_counts, decode_steps, *, where: str = "trace") -> None:
+def validate_trace_arrays(prefill_counts: Any, decode_counts: Any, decode_steps: Any, *,
+                          where: str = "trace") -> None:
     """Shapes, dtypes and value ranges a trace must satisfy; raises EldrError naming the problem."""
     pc, dc, ds = (np.asarray(a) for a in (prefill_counts, decode_counts, decode_steps))
     if pc.ndim != 3:
@@ -109,8 +115,9 @@ def validate_trace_arrays(prefill_counts, decode_counts, decode_steps, *, where:
                         "(an expert cannot fire in more steps than were decoded)")
 
 
-def write_trace(out: str | os.PathLike, trace: Trace, *, params: dict | None = None,
-                inputs: dict | None = None, metrics: dict | None = None, figures=None) -> Path:
+def write_trace(out: str | os.PathLike[str], trace: Trace, *, params: dict[str, Any] | None = None,
+                inputs: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+                figures: Callable[[Path, Trace], None] | None = None) -> Path:
     """Write ``trace`` as a trace artifact (atomically). ``figures(dir, trace)`` may draw PNGs."""
     import polars as pl
 
@@ -154,7 +161,7 @@ def write_trace(out: str | os.PathLike, trace: Trace, *, params: dict | None = N
     return Path(out)
 
 
-def read_trace(path: str | os.PathLike, *, with_picks: bool = True) -> Trace:
+def read_trace(path: str | os.PathLike[str], *, with_picks: bool = True) -> Trace:
     """Load a trace artifact fully into memory (validated)."""
     art = Artifact(path, kind="trace")
     p = art.params

@@ -79,7 +79,7 @@ async def probe(session, cfg: ClientConfig) -> str:
                 if cfg.model:
                     return cfg.model
                 if models:
-                    return models[0]
+                    return str(models[0])
             elif cfg.model:
                 return cfg.model
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

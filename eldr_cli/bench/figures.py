@@ -42,7 +42,8 @@ def sweep_figure(path: Path, runs: list[dict], mode: str, title: str = "") -> Pa
     for key, ax, lab in (("median_tpot_ms", axes[0], "TPOT median (ms)"), ("p99_tpot_ms", axes[1], "TPOT p99 (ms)"),
                          ("median_ttft_ms", axes[2], "TTFT median (ms)")):
         for name in routers:
-            pts = sorted((r["request_rate"], r.get(key)) for r in runs if r["router"] == name and r.get(key) is not None)
+            pts = sorted((r["request_rate"], r.get(key)) for r in runs
+                         if r["router"] == name and r.get(key) is not None)
             if not pts:
                 continue
             x, y = np.array(pts, dtype=float).T
@@ -69,7 +70,7 @@ def active_experts_figure(path: Path, steps: dict[str, tuple[np.ndarray, np.ndar
         per_layer = np.asarray(active, dtype=float) / n_layers
         edges = np.unique(np.round(np.geomspace(1, max(2, batch.max() + 1), 14)).astype(int))
         xs, ys = [], []
-        for lo, hi in zip(edges[:-1], edges[1:]):
+        for lo, hi in zip(edges[:-1], edges[1:], strict=True):
             m = (batch >= lo) & (batch < hi)
             if m.sum() >= 3:
                 xs.append(batch[m].mean())

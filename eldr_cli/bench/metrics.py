@@ -10,6 +10,8 @@ never silently dropped. Requests sent during warm-up are recorded (``warmup=True
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 PERCENTILES = (50, 90, 95, 99)
@@ -27,7 +29,8 @@ REQUEST_SCHEMA = {
 def requests_frame(rows: list[dict]):
     import polars as pl
 
-    dt = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean, "list[f64]": pl.List(pl.Float64)}
+    dt: dict[str, Any] = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean,
+                          "list[f64]": pl.List(pl.Float64)}
     schema = {k: dt[v] for k, v in REQUEST_SCHEMA.items()}
     cols = {k: [r.get(k) for r in rows] for k in schema}
     return pl.DataFrame(cols, schema=schema)
@@ -37,7 +40,8 @@ def requests_frame_from_columns(cols: dict, n: int):
     """The same frame from columns (numpy arrays or lists; None = all null); NaN floats become null."""
     import polars as pl
 
-    dt = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean, "list[f64]": pl.List(pl.Float64)}
+    dt: dict[str, Any] = {"str": pl.Utf8, "f64": pl.Float64, "i64": pl.Int64, "bool": pl.Boolean,
+                          "list[f64]": pl.List(pl.Float64)}
     series = []
     for k, v in REQUEST_SCHEMA.items():
         c = cols.get(k)
@@ -68,7 +72,7 @@ def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> f
 
 
 def _stats(name: str, x: np.ndarray, weights: np.ndarray | None = None) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     if x.size == 0 or (weights is not None and weights.sum() <= 0):
         for k in ("mean", "median", "std", *(f"p{p}" for p in PERCENTILES)):
             out[f"{k}_{name}_ms"] = None
@@ -100,7 +104,8 @@ def summarize(df, *, request_rate: float, router: str, mode: str, burstiness: fl
     m = df.filter(~pl.col("warmup"))
     ok = m.filter(pl.col("outcome") == "ok")
     n, n_ok = len(m), len(ok)
-    by = {o: int(c) for o, c in zip(*np.unique(m["outcome"].to_numpy(), return_counts=True))} if n else {}
+    outcomes, counts = np.unique(m["outcome"].to_numpy(), return_counts=True)
+    by = {o: int(c) for o, c in zip(outcomes, counts, strict=True)} if n else {}
     failed_by = {k: v for k, v in by.items() if k != "ok"}
     out_tok = ok["output_tokens"].to_numpy().astype(np.int64) if n_ok else np.zeros(0, np.int64)
     in_tok = ok["prompt_tokens"].fill_null(0).to_numpy().astype(np.int64) if n_ok else np.zeros(0, np.int64)

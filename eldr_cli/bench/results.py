@@ -42,7 +42,9 @@ def comparison(runs: list[dict]) -> list[dict]:
                      "failed": sum(by[(name, x)]["failed"] for x in rates if (name, x) in by),
                      "completed": sum(by[(name, x)]["completed"] for x in rates if (name, x) in by)}
         for key in HEADLINE:
-            vals, d_rr, d_lb = [], [], []
+            vals: list[float] = []
+            d_rr: list[float | None] = []
+            d_lb: list[float | None] = []
             for x in rates:
                 r = by.get((name, x))
                 if r is None or r.get(key) is None:
@@ -53,10 +55,10 @@ def comparison(runs: list[dict]) -> list[dict]:
                 d_rr.append(_pct(r[key], rr))
                 d_lb.append(_pct(r[key], min(lbs)) if lbs else None)
             row[key] = float(np.mean(vals)) if vals else None
-            d_rr = [v for v in d_rr if v is not None]
-            d_lb = [v for v in d_lb if v is not None]
-            row[f"{key}_pct_vs_rr"] = float(np.mean(d_rr)) if d_rr and "round-robin" in routers else None
-            row[f"{key}_pct_vs_best_lb"] = float(np.mean(d_lb)) if d_lb else None
+            rr_ok = [v for v in d_rr if v is not None]
+            lb_ok = [v for v in d_lb if v is not None]
+            row[f"{key}_pct_vs_rr"] = float(np.mean(rr_ok)) if rr_ok and "round-robin" in routers else None
+            row[f"{key}_pct_vs_best_lb"] = float(np.mean(lb_ok)) if lb_ok else None
         out.append(row)
     return out
 

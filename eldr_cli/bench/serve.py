@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ async def _switch_policy(session, url: str, router: str, tau: float | None, toke
     if not token:
         raise EldrError("switching routers needs the proxy's admin token",
                         hint="pass --admin-token or set ELDR_ADMIN_TOKEN (the one serve-proxy was started with)")
-    body = {"policy": router}
+    body: dict[str, Any] = {"policy": router}
     if tau is not None:
         body["tau"] = tau
     try:
@@ -165,7 +166,10 @@ async def _bench(cfg: ClientConfig, items: list[PromptItem], plan: SweepPlan, mo
 
     from eldr_cli.bench.metrics import requests_frame, summarize
 
-    runs, frames, step_frames, meta = [], [], [], {}
+    runs: list[dict[str, Any]] = []
+    frames: list[Any] = []
+    step_frames: list[Any] = []
+    meta: dict[str, Any] = {}
     stats = LiveStats()
     async with make_session(cfg) as session:
         model = await probe(session, cfg)
@@ -208,9 +212,11 @@ async def _bench(cfg: ClientConfig, items: list[PromptItem], plan: SweepPlan, mo
                                                                     pl.lit(float(rate)).alias("request_rate"))
                             step_frames.append(sdf)
                             nl = meta.get("n_layers") or 1
-                            extra = {"mean_active_experts_per_step": float(sdf["active_experts"].mean() / nl),
-                                     "mean_decode_batch": float(sdf["batch"].mean()), "decode_steps": len(sdf),
-                                     "median_step_late_ms": float(sdf["late_ms"].median())}
+                            extra = {"mean_active_experts_per_step":
+                                     float(np.mean(sdf["active_experts"].to_numpy()) / nl),
+                                     "mean_decode_batch": float(np.mean(sdf["batch"].to_numpy())),
+                                     "decode_steps": len(sdf),
+                                     "median_step_late_ms": float(np.median(sdf["late_ms"].to_numpy()))}
                     s = summarize(df, request_rate=rate, router=router, mode=mode, burstiness=plan.burstiness,
                                   extra=extra)
                     runs.append(s)
@@ -249,9 +255,9 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     for r in rates:
         if not r > 0:
             raise EldrError(f"rate {r!r} is not a positive number of requests per second")
-    for r in routers or []:
-        if r not in POLICIES:
-            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(POLICIES)}")
+    for name in routers or []:
+        if name not in POLICIES:
+            raise EldrError(f"unknown router {name!r}; expected one of {', '.join(POLICIES)}")
     items = load_prompts(prompts, split=split)
     decode_urls = None
     cluster = None

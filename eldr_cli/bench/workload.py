@@ -37,7 +37,7 @@ def load_prompts(path: str | Path, split: str | None = None, limit: int | None =
         df = art.table("requests")
         if split and split != "all":
             df = df.filter(df["split"] == split)
-        for rid, dom, pr in zip(df["request_id"], df["domain"], df["prompt"]):
+        for rid, dom, pr in zip(df["request_id"], df["domain"], df["prompt"], strict=True):
             if pr:
                 items.append(PromptItem(str(pr), str(dom) if dom is not None else None, str(rid)))
     else:

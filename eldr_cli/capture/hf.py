@@ -9,6 +9,8 @@ decode steps are recorded for every request (the prefill pass produces token 1).
 
 from __future__ import annotations
 
+from typing import Any
+
 from eldr_cli.capture.backend import RequestCapture, check_checkpoint
 from eldr_cli.capture.hooks import RouterRecorder, find_routers
 from eldr_cli.errors import EldrError
@@ -89,8 +91,8 @@ class TransformersBackend:
                 if rec is not None:
                     valid = mask.bool()
                     prefill = torch.zeros((B, L, E), dtype=torch.int32, device=self.device)
-                    gp = torch.zeros((B, L, E), dtype=torch.float32, device=self.device) if gate_sums else None
-                    gl = torch.zeros_like(gp) if gate_sums else None
+                    gp: Any = torch.zeros((B, L, E), dtype=torch.float32, device=self.device) if gate_sums else None
+                    gl: Any = torch.zeros_like(gp) if gate_sums else None
                     vk = valid.repeat_interleave(k, dim=1).to(torch.int32)
                     for li, site in enumerate(self.sites):
                         idx = rec.indices[li].reshape(B, T * k).long()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from eldr_cli.errors import EldrError
 
@@ -31,7 +32,7 @@ _MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe
 class RouterSite:
     layer_id: int          # decoder layer index in the model
     name: str              # module path, e.g. model.layers.3.mlp.gate
-    module: object
+    module: Any            # the torch.nn.Module of the router
     num_experts: int
     top_k: int
     score: str             # "softmax" or "sigmoid": how gate probabilities are formed from logits
@@ -90,7 +91,7 @@ class RouterRecorder:
         self.indices: list = [None] * len(sites)
         self.logits: list = [None] * len(sites)
         self.keep_logits = False
-        self._handles = []
+        self._handles: list[Any] = []
 
     def _make_hook(self, i: int):
         def hook(_mod, _inp, out):

@@ -32,7 +32,7 @@ def write_oic_tree(root, *, n_per_subject: int = 3, subjects=(("mmlu", "law"), (
         for n in range(n_per_subject):
             T = int(rng.integers(prompt_tokens[0], prompt_tokens[1] + 1))
 
-            def picks(tokens):
+            def picks(tokens, p=p):
                 # Gumbel top-k: k distinct experts per token drawn by preference p
                 g = np.log(p)[None, :] - np.log(-np.log(rng.random((tokens, num_experts))))
                 return np.sort(np.argpartition(-g, top_k - 1, axis=1)[:, :top_k], axis=1).tolist()

@@ -140,7 +140,7 @@ def assign_split(domains: list[str], eval_fraction: float, seed: int, rows=None)
                 n = 0
             is_eval[rng.choice(idx, size=n, replace=False)] = True
     if rows is not None:
-        for r, e in zip(rows, is_eval):
+        for r, e in zip(rows, is_eval, strict=True):
             r.split = "evaluation" if e else "calibration"
     return is_eval
 

@@ -84,7 +84,7 @@ class Staging:
         import polars as pl
 
         base = self.dir / f"chunk-{chunk:06d}"
-        _atomic_write_bytes(base.with_suffix(".npz"), lambda p: np.savez(open(p, "wb"), **arrays))
+        _atomic_write_bytes(base.with_suffix(".npz"), lambda p: np.savez(open(p, "wb"), **arrays))  # type: ignore[arg-type]
         df = pl.DataFrame(rows, schema={"request_id": pl.Utf8, "domain": pl.Utf8, "language": pl.Utf8,
                                         "prompt_tokens": pl.Int32, "decode_tokens": pl.Int32,
                                         "source": pl.Utf8, "split": pl.Utf8, "prompt": pl.Utf8})

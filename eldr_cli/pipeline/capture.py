@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -60,8 +61,8 @@ def _chunk_arrays(caps: list[RequestCapture], E: int, with_gate: bool) -> dict[s
                          else np.zeros((0, L, k), np.int16)).astype(np.int16),
     }
     if with_gate and caps[0].prefill_gate_prob is not None:
-        arrays["prefill_gate_prob"] = np.stack([c.prefill_gate_prob for c in caps]).astype(np.float32)
-        arrays["prefill_gate_logit"] = np.stack([c.prefill_gate_logit for c in caps]).astype(np.float32)
+        arrays["prefill_gate_prob"] = np.stack([np.asarray(c.prefill_gate_prob) for c in caps]).astype(np.float32)
+        arrays["prefill_gate_logit"] = np.stack([np.asarray(c.prefill_gate_logit) for c in caps]).astype(np.float32)
     return arrays
 
 
@@ -219,7 +220,7 @@ def _capture_chunk(be, staging: Staging, c: int, chunk_rows, *, max_new_tokens: 
         counters.busy_s += time.perf_counter() - t0
         staging.write_empty_chunk(c, skipped)
         return
-    arrays = _chunk_arrays(caps, be.num_experts, gate_sums)
+    arrays = _chunk_arrays(cast(list[RequestCapture], caps), be.num_experts, gate_sums)  # every slot filled above
     table = [{"request_id": r.request_id, "domain": r.domain, "language": r.language,
               "prompt_tokens": len(t), "decode_tokens": max_new_tokens, "source": r.source,
               "split": r.split, "prompt": r.text} for r, t in zip(keep, toks, strict=True)]

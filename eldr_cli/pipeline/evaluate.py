@@ -31,8 +31,9 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
     int64 arrays ``step``, ``decoder``, ``request`` (trace row), ``request_step`` -- one row per
     (batch, member) -- and ``assigned`` [len(rows)] (decoder of each request).
     """
-    offsets = trace.decode_offsets
-    n_steps = np.diff(offsets)
+    if trace.decode_offsets is None:
+        raise ValueError("trace has no per-step decode picks (decode_offsets) to replay")
+    n_steps = np.diff(trace.decode_offsets)
     queue = [int(r) for r in rows if n_steps[r] > 0]
     inflight: list[list[list[int]]] = [[] for _ in range(n_decoders)]
     assigned = {}
@@ -76,6 +77,8 @@ def score_batches(trace: Trace, rec: dict[str, np.ndarray], layouts: dict[str, n
     ``decoder``, ``batch_size``."""
     from eldr_cli.stages.placement import lower_bound, max_active_per_rank
 
+    if trace.decode_offsets is None or trace.decode_picks is None:
+        raise ValueError("trace has no per-step decode picks to score")
     L, E = trace.num_layers, trace.num_experts
     key = rec["step"] * (rec["decoder"].max(initial=0) + 1) + rec["decoder"]
     uniq, batch_of = np.unique(key, return_inverse=True)

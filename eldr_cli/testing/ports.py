@@ -9,7 +9,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free on ``host`` right now (the kernel's choice)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def free_port_range(n: int) -> int:
@@ -17,7 +17,7 @@ def free_port_range(n: int) -> int:
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base = int(s.getsockname()[1])
         if base + n >= 65000:
             continue
         ok = True

@@ -26,7 +26,7 @@ class ServerThread:
         self.host, self.port = host, port or free_port(host)
         # in-process servers (tests, demo) stop after 1 s of grace, then cancel what still runs
         self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, "critical", graceful_s=1))
-        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # not the main thread
         self.thread = threading.Thread(target=self._run, daemon=True, name=f"asgi-{self.port}")
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -55,6 +55,7 @@ class ServerThread:
 
     def call(self, coro, timeout: float = 30.0):
         """Run a coroutine on the server's loop (e.g. ``app.check_health_once()``) and return its result."""
+        assert self.loop is not None, "call start() first"
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:

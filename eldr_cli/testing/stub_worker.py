@@ -70,7 +70,7 @@ class StubWorker:
         self.fail: str | None = None
         self.healthy = True
         self.running = 0
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self.decode_bodies: collections.deque = collections.deque(maxlen=record)
         self.prefill_bodies: collections.deque = collections.deque(maxlen=record)
 

@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class CaptureState:
     bound: bool = False
     sc: sck.SignatureCache | None = None
     token_blocks: torch.Tensor | None = None
-    picks: torch.Tensor | None = None  # [L, rows, k] int32: the last forward's top-k ids per MoE layer
+    picks: Any = None  # torch.Tensor once bound: [L, rows, k] int32: the last forward's top-k ids per MoE layer
     slot_key: str | None = None
     active: bool = False
     disabled: str | None = None
@@ -97,16 +98,17 @@ class CaptureState:
                 bad.append(f"{name} ({type(getattr(m, 'router', None)).__name__}"
                            f"{', monolithic kernel' if getattr(qm, 'is_monolithic', False) else ''})")
         if bad:
-            self.disabled = "MoE kernels bypass the router hook: " + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else "")
+            self.disabled = ("MoE kernels bypass the router hook: " + ", ".join(bad[:3])
+                             + (" ..." if len(bad) > 3 else ""))
             log.warning("eldr signatures OFF: %s; serving without signatures", self.disabled)
             return False
         runners.sort(key=lambda nm: (getattr(nm[1], "layer_id", 0) or 0, nm[0]))
         experts = set()
         topk = set()
-        for i, (name, m) in enumerate(runners):
+        for i, (_name, m) in enumerate(runners):
             cfg = getattr(m, "moe_config", None)
-            e = getattr(cfg, "num_logical_experts", None) or m.router.global_num_experts
-            experts.add(int(e))
+            n_exp = getattr(cfg, "num_logical_experts", None) or m.router.global_num_experts
+            experts.add(int(n_exp))
             topk.add(int(m.router.top_k))
             m.router.set_capture_fn(functools.partial(self.capture, i))
         if len(experts) != 1 or len(topk) != 1:

@@ -40,7 +40,7 @@ def _patch_model_loader() -> None:
                 STATE.bind_model(model, vllm_config.scheduler_config.max_num_batched_tokens)
         return model
 
-    load_model._eldr = True
+    load_model._eldr = True  # type: ignore[attr-defined]
     BaseModelLoader.load_model = load_model
 
 
@@ -89,7 +89,7 @@ def _patch_connector_factory() -> None:
             _patch_scheduler()
         return conn
 
-    create_connector._eldr = True
+    create_connector._eldr = True  # type: ignore[attr-defined]
     KVConnectorFactory.create_connector = classmethod(create_connector)
 
 
@@ -109,5 +109,5 @@ def _patch_scheduler() -> None:
             conn.ingest(kco)
         return orig(self, scheduler_output, model_runner_output)
 
-    update_from_output._eldr = True
+    update_from_output._eldr = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output
