@@ -440,3 +440,18 @@ def test_tables_fit_80_columns(workspace, tmp_path):
     full = _eldr_cols(ws, "inspect", "trace", columns=None).stdout
     assert str(ws / "trace") not in full  # relative path shown as given
     assert "prefill_counts" in full and "…" not in full
+
+
+def test_same_kind_is_replaced_and_force_replaces_another_kind(workspace, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    r = eldr("synth-trace", "--out", "trace", "--requests", "30", "--layers", "2", "--experts", "8", cwd=ws)
+    assert r.returncode == 0, r.stderr  # a trace over a trace: replaced atomically
+    assert json.loads((ws / "trace" / "manifest.json").read_text())["metrics"]["n_requests"] == 30
+    r = eldr("synth-trace", "--out", "cost", "--requests", "30", "--layers", "2", "--experts", "8", "--force", cwd=ws)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ws / "cost" / "manifest.json").read_text())["kind"] == "trace"
+    assert not [p for p in ws.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    # --force never lets an output replace the command's own input
+    r = eldr("fit-idf", "--trace", "trace", "--out", "trace", "--force", cwd=ws)
+    assert r.returncode == 2 and "is the input trace" in r.stderr
