@@ -455,3 +455,43 @@ def test_same_kind_is_replaced_and_force_replaces_another_kind(workspace, tmp_pa
     # --force never lets an output replace the command's own input
     r = eldr("fit-idf", "--trace", "trace", "--out", "trace", "--force", cwd=ws)
     assert r.returncode == 2 and "is the input trace" in r.stderr
+
+
+def test_bench_where_every_request_failed_exits_2(workspace, tmp_path):
+    """A server that lists a model but answers every completion with HTTP 500: the bench record is
+    kept (it is the evidence), and the command says nothing was measured and exits 2."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Failing(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802
+            self._send(200, b'{"data": [{"id": "m"}]}')
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(500, b'{"error": {"message": "boom"}}')
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    try:
+        r = eldr("bench", "serve", "--url", f"http://127.0.0.1:{srv.server_address[1]}", "--prompts", "trace",
+                 "--out", "b", "--no-live", "--rates", "4", "--duration", "1", "--warmup", "0", "--max-tokens", "4",
+                 cwd=ws)
+    finally:
+        srv.shutdown()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1 and "every measured request failed" in lines[0], r.stderr
+    assert json.loads((ws / "b" / "manifest.json").read_text())["metrics"]["completed"] == 0
