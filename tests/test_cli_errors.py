@@ -495,3 +495,36 @@ def test_bench_where_every_request_failed_exits_2(workspace, tmp_path):
     lines = error_lines(r.stderr)
     assert len(lines) == 1 and "every measured request failed" in lines[0], r.stderr
     assert json.loads((ws / "b" / "manifest.json").read_text())["metrics"]["completed"] == 0
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["finished", "ctrl-c"])
+def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, interrupt):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _proxy_util import Cluster
+
+    c = Cluster(n_prefill=1, n_decode=2, policy="jsq", admin_token="secret",
+                stub_kw={"token_delay_s": 0.05 if interrupt else 0.0})
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    argv = [sys.executable, "-m", "eldr_cli", "bench", "sweep", "--url", c.url, "--prompts", "trace",
+            "--routers", "round-robin,p2c", "--admin-token", "secret", "--rates", "4",
+            "--duration", "30" if interrupt else "1", "--warmup", "0", "--max-tokens", "4", "--out", "sweep",
+            "--no-live"]
+    p = subprocess.Popen(argv, cwd=ws, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if interrupt:
+        t0 = time.monotonic()
+        while c.app.state.policy_name == "jsq" and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        assert c.app.state.policy_name == "round-robin"
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    try:
+        assert "Traceback" not in out + err
+        assert p.returncode == (130 if interrupt else 0), out + err
+        assert c.app.state.policy_name == "jsq"  # the policy the sweep found
+        assert "proxy policy restored to jsq" in out
+        assert (ws / "sweep").exists() != interrupt  # an interrupted sweep writes nothing
+    finally:
+        for s in [c.proxy, *c.servers]:
+            s.stop()
