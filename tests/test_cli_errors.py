@@ -528,3 +528,33 @@ def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, inte
     finally:
         for s in [c.proxy, *c.servers]:
             s.stop()
+
+
+def test_emulate_cleans_up_and_ignores_clients_that_go_away(workspace, tmp_path):
+    from eldr_cli.testing.ports import free_port_range
+
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    base = free_port_range(2)
+    p = subprocess.Popen([sys.executable, "-m", "eldr_cli", "emulate", "--trace", "trace", "--cost-model", "cost",
+                          "--prefill", "1", "--decode", "1", "--base-port", str(base), "--cluster-file", "cl.json"],
+                         cwd=ws, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (ws / "cl.json").exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        info = json.loads((ws / "cl.json").read_text())
+        body = json.dumps({"model": info["model"], "prompt": "hello", "max_tokens": 500, "stream": True,
+                           "ignore_eos": True})
+        s = socket.create_connection(("127.0.0.1", base + 1))
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()  # the client goes away mid-stream
+        time.sleep(1.0)
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    assert "Traceback" not in out + err, err
+    assert not (ws / "cl.json").exists()  # no file pointing at dead ports
