@@ -49,20 +49,36 @@ def bench_fit(repeats: int) -> dict:
     trace = tmp / "trace"
     write_trace(trace, synthetic_trace(1250, 48, 128, 8, seed=0))  # 80% calibration split = 1000
     real = store.verify_on_read
-    on, off = [], []
+    spent: list[float] = []  # seconds inside verification during one fit
+
+    def timed(art):
+        t0 = time.perf_counter()
+        try:
+            real(art)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    on, off, inside = [], [], []
     for i in range(repeats):
         for verify in (True, False) if i % 2 == 0 else (False, True):
-            store.verify_on_read = real if verify else (lambda art: None)
+            store.verify_on_read = timed if verify else (lambda art: None)
             guard._VERIFIED.clear()
+            spent.clear()
             t0 = time.perf_counter()
             run_fit(trace, tmp / f"fit-{i}-{verify}", decoders=16, pairs=20000, figures=False)
             (on if verify else off).append(time.perf_counter() - t0)
+            if verify:
+                inside.append((sum(spent), len(spent)))
     store.verify_on_read = real
     verify_alone = statistics.median(_verify_s(trace) for _ in range(repeats))
     med_on, med_off = statistics.median(on), statistics.median(off)
+    in_fit = statistics.median(s for s, _ in inside)
     return {"trace_bytes": _size(trace), "fit_s_verify_on": on, "fit_s_verify_off": off,
-            "median_on_s": med_on, "median_off_s": med_off,
+            "median_on_s": med_on, "median_off_s": med_off, "min_on_s": min(on), "min_off_s": min(off),
             "overhead_pct_medians": 100 * (med_on - med_off) / med_off,
+            "overhead_pct_mins": 100 * (min(on) - min(off)) / min(off),
+            "verify_in_fit_s": in_fit, "verify_calls_in_fit": inside[0][1],
+            "verify_in_fit_share_pct": 100 * in_fit / med_off,
             "verify_trace_s": verify_alone, "verify_share_of_fit_pct": 100 * verify_alone / med_off}
 
 
@@ -91,6 +107,9 @@ def main() -> None:
     print(f"{'fit (N=1000, L=48, E=128), verify off':<44}{f['median_off_s']:>14.2f} s")
     print(f"{'fit (N=1000, L=48, E=128), verify on':<44}{f['median_on_s']:>14.2f} s")
     print(f"{'  difference of medians':<44}{f['overhead_pct_medians']:>+14.1f} %")
+    print(f"{'  difference of minima':<44}{f['overhead_pct_mins']:>+14.1f} %")
+    print(f"{'  time inside verification during the fit':<44}{1e3 * f['verify_in_fit_s']:>13.1f} ms")
+    print(f"{'  ... as a share of the fit (verify off)':<44}{f['verify_in_fit_share_pct']:>14.2f} %")
     print(f"{'  trace verification alone':<44}{1e3 * f['verify_trace_s']:>13.1f} ms")
     print(f"{'  ... as a share of the fit':<44}{f['verify_share_of_fit_pct']:>14.2f} %")
     print(f"{'  trace size':<44}{f['trace_bytes'] / 1e6:>13.1f} MB")

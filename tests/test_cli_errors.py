@@ -440,3 +440,121 @@ def test_tables_fit_80_columns(workspace, tmp_path):
     full = _eldr_cols(ws, "inspect", "trace", columns=None).stdout
     assert str(ws / "trace") not in full  # relative path shown as given
     assert "prefill_counts" in full and "…" not in full
+
+
+def test_same_kind_is_replaced_and_force_replaces_another_kind(workspace, tmp_path):
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    r = eldr("synth-trace", "--out", "trace", "--requests", "30", "--layers", "2", "--experts", "8", cwd=ws)
+    assert r.returncode == 0, r.stderr  # a trace over a trace: replaced atomically
+    assert json.loads((ws / "trace" / "manifest.json").read_text())["metrics"]["n_requests"] == 30
+    r = eldr("synth-trace", "--out", "cost", "--requests", "30", "--layers", "2", "--experts", "8", "--force", cwd=ws)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((ws / "cost" / "manifest.json").read_text())["kind"] == "trace"
+    assert not [p for p in ws.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    # --force never lets an output replace the command's own input
+    r = eldr("fit-idf", "--trace", "trace", "--out", "trace", "--force", cwd=ws)
+    assert r.returncode == 2 and "is the input trace" in r.stderr
+
+
+def test_bench_where_every_request_failed_exits_2(workspace, tmp_path):
+    """A server that lists a model but answers every completion with HTTP 500: the bench record is
+    kept (it is the evidence), and the command says nothing was measured and exits 2."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Failing(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802
+            self._send(200, b'{"data": [{"id": "m"}]}')
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(500, b'{"error": {"message": "boom"}}')
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    try:
+        r = eldr("bench", "serve", "--url", f"http://127.0.0.1:{srv.server_address[1]}", "--prompts", "trace",
+                 "--out", "b", "--no-live", "--rates", "4", "--duration", "1", "--warmup", "0", "--max-tokens", "4",
+                 cwd=ws)
+    finally:
+        srv.shutdown()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    lines = error_lines(r.stderr)
+    assert len(lines) == 1 and "every measured request failed" in lines[0], r.stderr
+    assert json.loads((ws / "b" / "manifest.json").read_text())["metrics"]["completed"] == 0
+
+
+@pytest.mark.parametrize("interrupt", [False, True], ids=["finished", "ctrl-c"])
+def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, interrupt):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _proxy_util import Cluster
+
+    c = Cluster(n_prefill=1, n_decode=2, policy="jsq", admin_token="secret",
+                stub_kw={"token_delay_s": 0.05 if interrupt else 0.0})
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    argv = [sys.executable, "-m", "eldr_cli", "bench", "sweep", "--url", c.url, "--prompts", "trace",
+            "--routers", "round-robin,p2c", "--admin-token", "secret", "--rates", "4",
+            "--duration", "30" if interrupt else "1", "--warmup", "0", "--max-tokens", "4", "--out", "sweep",
+            "--no-live"]
+    p = subprocess.Popen(argv, cwd=ws, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if interrupt:
+        t0 = time.monotonic()
+        while c.app.state.policy_name == "jsq" and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        assert c.app.state.policy_name == "round-robin"
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    try:
+        assert "Traceback" not in out + err
+        assert p.returncode == (130 if interrupt else 0), out + err
+        assert c.app.state.policy_name == "jsq"  # the policy the sweep found
+        assert "proxy policy restored to jsq" in out
+        assert (ws / "sweep").exists() != interrupt  # an interrupted sweep writes nothing
+    finally:
+        for s in [c.proxy, *c.servers]:
+            s.stop()
+
+
+def test_emulate_cleans_up_and_ignores_clients_that_go_away(workspace, tmp_path):
+    from eldr_cli.testing.ports import free_port_range
+
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace, ws, symlinks=True)
+    base = free_port_range(2)
+    p = subprocess.Popen([sys.executable, "-m", "eldr_cli", "emulate", "--trace", "trace", "--cost-model", "cost",
+                          "--prefill", "1", "--decode", "1", "--base-port", str(base), "--cluster-file", "cl.json"],
+                         cwd=ws, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (ws / "cl.json").exists() and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        info = json.loads((ws / "cl.json").read_text())
+        body = json.dumps({"model": info["model"], "prompt": "hello", "max_tokens": 500, "stream": True,
+                           "ignore_eos": True})
+        s = socket.create_connection(("127.0.0.1", base + 1))
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()  # the client goes away mid-stream
+        time.sleep(1.0)
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    assert "Traceback" not in out + err, err
+    assert not (ws / "cl.json").exists()  # no file pointing at dead ports

@@ -134,25 +134,26 @@ async def _fetch_steps(session, decode_urls: list[str], cursors: dict[str, int])
 
 def _render(stats: LiveStats, mode: str, finished: list[dict]):
     from rich.console import Group
-    from rich.table import Table
 
     from eldr_cli.bench.figures import MODE_LABEL
+    from eldr_cli.console import table
 
     el = max(0.0, time.perf_counter() - stats.started)
-    t = Table(title=f"eldr bench -- {MODE_LABEL.get(mode, mode)}", show_header=True)
-    for c in ("router", "rate", "elapsed", "sent", "in flight", "done", "failed", "tok/s", "lag p50 ms",
-              "TPOT p50 (live)"):
-        t.add_column(c, justify="right")
+    from eldr_cli.console import show_wide
+
+    wide = show_wide(False)  # throughput and schedule lag only where they fit
+    cols = ["router", "rate", "time", "sent", "busy", "done", "fail", "TPOT ms"] + (["tok/s", "lag ms"] if wide else [])
+    t = table(*cols, title=f"eldr bench -- {MODE_LABEL.get(mode, mode)} (live; busy = in flight)")
     lag = np.median(stats.lag_ms[-500:]) if stats.lag_ms else float("nan")
     tp = np.median(stats.last_tpot_ms[-200:]) if stats.last_tpot_ms else float("nan")
-    t.add_row(stats.router, f"{stats.rate:g}", f"{el:.0f}/{stats.horizon_s:.0f}s", f"{stats.sent}/{stats.scheduled}",
-              str(stats.in_flight), str(stats.done), f"[red]{stats.failed}[/]" if stats.failed else "0",
-              f"{stats.tokens / el:.0f}" if el > 0 else "-", f"{lag:.2f}", f"{tp:.1f}")
+    row = [stats.router, f"{stats.rate:g}", f"{el:.0f}/{stats.horizon_s:.0f}s", f"{stats.sent}/{stats.scheduled}",
+           str(stats.in_flight), str(stats.done), f"[red]{stats.failed}[/]" if stats.failed else "0", f"{tp:.1f}"]
+    if wide:
+        row += [f"{stats.tokens / el:.0f}" if el > 0 else "-", f"{lag:.2f}"]
+    t.add_row(*row)
     if not finished:
         return t
-    f = Table(title="finished runs", show_header=True)
-    for c in ("router", "rate", "done", "failed", "TTFT p50", "TPOT p50", "TPOT p99"):
-        f.add_column(c, justify="right")
+    f = table("router", "rate", "done", "failed", "TTFT p50", "TPOT p50", "TPOT p99", title="finished runs")
     for r in finished[-12:]:
         f.add_row(r["router"], f"{r['request_rate']:g}", str(r["completed"]), str(r["failed"]),
                   f"{r['median_ttft_ms'] or float('nan'):.1f}", f"{r['median_tpot_ms'] or float('nan'):.1f}",

@@ -103,7 +103,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     labels[rows] = km.labels_
     domains = trace.column("domain")[rows]
     names, counts = np.unique(domains, return_counts=True)
-    share = {str(n): float(c) / len(rows) for n, c in zip(names, counts)}
+    share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
     with ArtifactWriter(out, kind="routing",
                         params={"transform": transform, "n_clusters": decoders, "tau": tau,
                                 "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
