@@ -68,14 +68,15 @@ def _main(
     pass
 
 
-def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+def _click_exception_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...],
+                                     tuple[type[BaseException], ...]]:
     """(ClickException, Exit, Abort) types of typer's vendored click and, if installed, of click."""
     from typer import _click
     from typer import exceptions as texc
 
-    errors: list[type] = [_click.exceptions.ClickException]
-    exits: list[type] = [texc.Exit]
-    aborts: list[type] = [texc.Abort]
+    errors: list[type[BaseException]] = [_click.exceptions.ClickException]
+    exits: list[type[BaseException]] = [texc.Exit]
+    aborts: list[type[BaseException]] = [texc.Abort]
     try:  # a plugin or a library may still raise the real click's exceptions
         import click
 
@@ -123,10 +124,11 @@ def run(argv: list[str] | None = None) -> int:
             raise
         return _print_error(err)
     except click_errors as e:
-        e.show()
-        return int(e.exit_code)
+        e.show()  # type: ignore[attr-defined]  # a ClickException of typer's click or of click
+        return int(e.exit_code)  # type: ignore[attr-defined]
     except click_exits as e:
-        return _interrupted() if e.exit_code == INTERRUPTED else int(e.exit_code)
+        code = int(e.exit_code)  # type: ignore[attr-defined]
+        return _interrupted() if code == INTERRUPTED else code
     except click_aborts:  # click turns Ctrl-C at a prompt / EOF into Abort
         return _interrupted()
     except SystemExit as e:

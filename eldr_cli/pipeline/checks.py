@@ -26,7 +26,7 @@ def check_tau(tau, *, flag: str = "--tau") -> float | None:
     if tau is None:
         return None
     lo, hi = TAU_RANGE
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not lo <= tau <= hi:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not lo <= float(tau) <= hi:
         raise EldrError(f"{flag} must be a number in [{lo:g}, {hi:g}], got {tau!r}")
     return float(tau)
 
@@ -34,14 +34,14 @@ def check_tau(tau, *, flag: str = "--tau") -> float | None:
 def check_batch_size(batch_size, *, flag: str = "--batch-size") -> int | None:
     if batch_size is None:
         return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or int(batch_size) < 1:
         raise EldrError(f"{flag} must be a positive integer, got {batch_size!r}")
     return int(batch_size)
 
 
 def check_k_range(decoders, n: int, *, flag: str = "--decoders") -> int:
     """K between 1 and the number of calibration signatures N."""
-    if isinstance(decoders, bool) or not isinstance(decoders, numbers.Integral) or not 1 <= decoders <= n:
+    if isinstance(decoders, bool) or not isinstance(decoders, numbers.Integral) or not 1 <= int(decoders) <= n:
         raise EldrError(f"the number of decoders K must be between 1 and the number of calibration "
                         f"signatures N={n}, got {decoders}", hint=f"pass {flag} K with 1 <= K <= {n}")
     return int(decoders)

@@ -26,17 +26,19 @@ def check_int(value, param: str, *, min: int | None = None, max: int | None = No
     """``value`` as an int within [min, max]; booleans and floats are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidParameterError(param, f"{param} must be an integer, got {value!r}")
-    if (min is not None and value < min) or (max is not None and value > max):
-        raise InvalidParameterError(param, f"{param} must be {_interval(min, max)}, got {value}")
-    return int(value)
+    v = int(value)
+    if (min is not None and v < min) or (max is not None and v > max):
+        raise InvalidParameterError(param, f"{param} must be {_interval(min, max)}, got {v}")
+    return v
 
 
 def check_float(value, param: str, *, min: float | None = None, max: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise InvalidParameterError(param, f"{param} must be a number, got {value!r}")
-    if (min is not None and value < min) or (max is not None and value > max):
-        raise InvalidParameterError(param, f"{param} must be {_interval(min, max)}, got {value:g}")
-    return float(value)
+    v = float(value)
+    if (min is not None and v < min) or (max is not None and v > max):
+        raise InvalidParameterError(param, f"{param} must be {_interval(min, max)}, got {v:g}")
+    return v
 
 
 def check_choice(value, param: str, choices: Iterable[str]) -> str:
