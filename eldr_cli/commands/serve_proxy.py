@@ -24,6 +24,12 @@ def serve_proxy_cmd(
                                                   help="Combine in-flight with workers' vllm:num_requests_running."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes", help="Answer 413 above this body size (default 4 MiB)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error (default info)."),
+    state: Optional[str] = typer.Option(None, "--state",
+                                        help="local (default) or redis://HOST:PORT[/DB]: share in-flight counts "
+                                             "and admin changes with other replicas."),
+    workers: Optional[int] = typer.Option(None, "--workers",
+                                          help="Processes behind one port (SO_REUSEPORT); they share state "
+                                               "through --state, or a private redis-server without it."),
 ) -> None:
     """Route each request's decode leg by its expert signature and live load (ELDR §4.3.2)."""
     from eldr_cli.console import console
@@ -32,15 +38,23 @@ def serve_proxy_cmd(
     cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
                        policy=policy, tau=tau, host=host, port=port, admin_token=admin_token,
                        decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
-                       log_level=log_level)
+                       log_level=log_level, state=state, workers=workers)
     from eldr_cli.proxy.app import create_app
+    from eldr_cli.proxy.server import bind_socket, serve_workers
 
     create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
+    sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # a busy port fails before the banner
     console.print(f"[green]eldr serve-proxy[/] on http://{cfg.host}:{cfg.port}  policy={cfg.policy}"
                   f"  prefill={len(cfg.prefill)}  decode={len(cfg.decode)}"
                   + (f"  routing={cfg.routing}" if cfg.routing else "")
-                  + ("  admin=on" if cfg.admin_token else "  admin=off"), highlight=False)
-    serve(cfg)
+                  + ("  admin=on" if cfg.admin_token else "  admin=off")
+                  + (f"  workers={cfg.workers}" if cfg.workers > 1 else "")
+                  + (f"  state={cfg.state}" if cfg.state != "local" else ""), highlight=False)
+    if cfg.workers > 1:
+        sock.close()  # each worker process binds its own SO_REUSEPORT socket
+        serve_workers(cfg)
+    else:
+        serve(cfg, sock)
 
 
 def register(app: typer.Typer) -> None:

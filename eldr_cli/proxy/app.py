@@ -33,6 +33,7 @@ from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.metrics import ProxyMetrics
+from eldr_cli.proxy.sharedstate import make_shared_state
 from eldr_cli.proxy.upstream import HttpPool, UpstreamHTTPError
 from eldr_cli.proxy.workers import DOWN_LOAD, PrefixHashPrefill, Worker, WorkerPool, prompt_key
 from eldr_cli.stages.routing import RoutingModel, jsq, make_policy
@@ -101,6 +102,7 @@ class ProxyState:
         self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
         self.in_progress = 0
         self.started = 0
+        self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
         self.outcomes: dict[str, int] = {}
 
     def _make(self, name, n, model, tau):
@@ -141,6 +143,7 @@ class ProxyApp:
             self.decision_log = DecisionLog(self.cfg.decision_log)
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        await self.state.shared.start(self)
         log.info("proxy started", extra={"event": "start", "policy": self.state.policy_name,
                                          "prefill": [w.url for w in self.state.prefill],
                                          "decode": [w.url for w in self.state.decode]})
@@ -149,6 +152,7 @@ class ProxyApp:
         if not self._started:
             return
         self._started = False
+        await self.state.shared.stop()
         if self._health_task is not None:
             self._health_task.cancel()
             try:
@@ -164,6 +168,39 @@ class ProxyApp:
         if self.decision_log is not None:
             self.decision_log.close()
             self.decision_log = None
+
+    # -- shared state (several replicas) -------------------------------------------------------
+    def all_workers(self) -> list[Worker]:
+        return [*self.state.prefill, *self.state.decode]
+
+    def apply_remote_change(self, action: str, body: dict) -> None:
+        """A run-time change another replica made (and validated) applied here too."""
+        m = self.metrics
+        if action == "health":
+            pool = self.state.prefill if body.get("role") == "prefill" else self.state.decode
+            w = pool.find(str(body.get("url", "")))
+            if w is not None and w.healthy != bool(body.get("healthy")):
+                w.healthy = bool(body.get("healthy"))
+                w.fail_streak = w.ok_streak = 0
+                to = "up" if w.healthy else "down"
+                m.child(m.health_transitions, w.role, w.id, to).inc()
+                log.warning(f"worker {to} (seen by another replica)",
+                            extra={"event": "health", "worker": w.id, "url": w.url, "to": to, "remote": True})
+            return
+        handler = {"policy": self._admin_policy, "workers": self._admin_workers,
+                   "reload": self._admin_reload}.get(action)
+        if handler is None:
+            return
+        try:
+            handler(body)
+        except _Refused as e:  # same config on every replica: only a diverged replica gets here
+            m.child(m.admin_actions, action, "remote_refused").inc()
+            log.error("a change made on another replica was refused here", extra={
+                "event": "admin", "action": action, "reason": str(e), "remote": True})
+            return
+        m.child(m.admin_actions, action, "remote_ok").inc()
+        log.info("admin (from another replica)", extra={"event": "admin", "action": action, "body": body,
+                                                         "remote": True})
 
     def _open(self, w: Worker) -> None:
         # one keep-alive pool per upstream worker
@@ -533,7 +570,8 @@ class ProxyApp:
         ok = p_up > 0 and d_up > 0
         body = {"status": "ok" if ok else "unavailable", "policy": st.policy_name, "tau": st.tau_effective(),
                 "routing": st.routing_path, "prefill_up": p_up, "decode_up": d_up,
-                "in_progress": st.in_progress,
+                "in_progress": st.in_progress, "state": st.shared.kind, "replica": st.shared.replica_id,
+                "replicas": st.shared.live_replicas,
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
         await _send_json(send, 200 if ok else 503, body)
 
@@ -594,6 +632,7 @@ class ProxyApp:
             return await _send_json(send, e.status, _err(str(e), "invalid_request_error", e.status))
         m.child(m.admin_actions, action, "ok").inc()
         log.info("admin", extra={"event": "admin", "action": action, "body": body})
+        self.state.shared.publish_change(action, body)  # validated and applied here: every replica follows
         return await _send_json(send, 200, result)
 
     def _pools(self) -> dict:
@@ -720,6 +759,7 @@ class ProxyApp:
             w.fail_streak, w.ok_streak = 0, w.ok_streak + 1
             if not w.healthy and w.ok_streak >= cfg.health_success_threshold:
                 w.healthy = True
+                self.state.shared.publish_change("health", {"role": w.role, "url": w.url, "healthy": True})
                 self.metrics.child(self.metrics.health_transitions, w.role, w.id, "up").inc()
                 log.warning("worker up", extra={"event": "health", "worker": w.id, "url": w.url, "to": "up"})
         else:
@@ -727,6 +767,7 @@ class ProxyApp:
             w.scraped_running = None
             if w.healthy and w.fail_streak >= cfg.health_fail_threshold:
                 w.healthy = False
+                self.state.shared.publish_change("health", {"role": w.role, "url": w.url, "healthy": False})
                 self.metrics.child(self.metrics.health_transitions, w.role, w.id, "down").inc()
                 log.warning("worker down", extra={"event": "health", "worker": w.id, "url": w.url, "to": "down"})
 

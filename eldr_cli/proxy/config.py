@@ -48,6 +48,9 @@ class ProxyConfig:
     decision_log: str | None = None
     log_level: str = "info"
     access_log: bool = False
+    # several replicas: "local" (this process alone) or redis://HOST:PORT[/DB] (shared counts and changes)
+    state: str = "local"
+    workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":
         if self.policy not in POLICIES:
@@ -56,9 +59,16 @@ class ProxyConfig:
             raise EldrError("no prefill worker given", hint="pass --prefill URL (repeatable)")
         if not self.decode:
             raise EldrError("no decode worker given", hint="pass --decode URL (repeatable)")
-        for u in [*self.prefill, *self.decode]:
-            if not u.startswith("http://"):
-                raise EldrError(f"worker URL {u!r} must start with http:// (the proxy talks plain HTTP to workers)")
+        for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
+            for u in urls:
+                check_worker_url(u, flag)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise EldrError(f"--port must be between 1 and 65535, got {self.port!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
+            raise EldrError(f"--workers must be between 1 and 64, got {self.workers!r}")
+        from eldr_cli.proxy.sharedstate import parse_state_url
+
+        self.state = parse_state_url(self.state)
         if self.policy in ("eldr", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None and not (0.0 <= self.tau <= 2.0):
@@ -67,13 +77,47 @@ class ProxyConfig:
             raise EldrError("max_body_bytes must be at least 1024")
         if self.health_fail_threshold < 1 or self.health_success_threshold < 1:
             raise EldrError("health thresholds must be >= 1")
-        if self.decision_log and not str(self.decision_log).endswith((".jsonl", ".parquet")):
-            raise EldrError(f"decision log {self.decision_log!r} must end with .jsonl or .parquet")
+        if self.decision_log:
+            check_decision_log_path(str(self.decision_log))
         if self.admin_token is None:
             self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
         self.prefill = [u.rstrip("/") for u in self.prefill]
         self.decode = [u.rstrip("/") for u in self.decode]
         return self
+
+
+def check_worker_url(url: str, flag: str) -> None:
+    """http://HOST[:PORT] with a host and a port in range; raises EldrError naming the flag."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.startswith("http://"):
+        raise EldrError(f"{flag} {url!r}: worker URLs must start with http:// (the proxy talks plain HTTP to workers)")
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:
+        raise EldrError(f"{flag} {url!r} is not a valid URL: {e}") from None
+    if not u.hostname:
+        raise EldrError(f"{flag} {url!r} has no host", hint="e.g. http://10.0.0.5:8100")
+    if port == 0:
+        raise EldrError(f"{flag} {url!r}: port 0 is not a port a worker listens on")
+
+
+def check_decision_log_path(path: str) -> None:
+    """The decision log's suffix and that its folder exists (or can be made) and is writable."""
+    if not path.endswith((".jsonl", ".parquet")):
+        raise EldrError(f"--decision-log {path!r} must end with .jsonl or .parquet")
+    p = Path(path)
+    parent = p.parent
+    for anc in [parent, *parent.parents]:
+        if anc.exists():
+            if not anc.is_dir():
+                raise EldrError(f"--decision-log {path}: {anc} is a file, not a folder")
+            if not os.access(anc, os.W_OK):
+                raise EldrError(f"--decision-log {path}: folder {anc} is not writable")
+            break
+    if p.is_dir():
+        raise EldrError(f"--decision-log {path} is a folder; give a file name ending in .jsonl or .parquet")
 
 
 def load_config_file(path: str | os.PathLike) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 OUTCOMES = ("ok", "bad_request", "too_large", "upstream_error", "stream_error", "cancelled", "unavailable")
 
@@ -38,6 +38,32 @@ class _LiveCollector:
         p = GaugeMetricFamily("eldr_proxy_policy_info", "Current decode policy and tau", labels=["policy", "tau"])
         p.add_metric([st.policy_name, f"{st.tau_effective():g}"], 1.0)
         yield p
+        yield from self._shared(st)
+
+    def _shared(self, st):
+        """Cluster-wide view and the health of the shared state (replicas over Redis)."""
+        sh = st.shared
+        cluster = GaugeMetricFamily("eldr_proxy_cluster_inflight",
+                                    "Requests in flight per upstream worker over all proxy replicas",
+                                    labels=["role", "worker", "url"])
+        for pool in (st.prefill, st.decode):
+            for w in pool:
+                cluster.add_metric([w.role, w.id, w.url], w.inflight + w.remote_inflight)
+        yield cluster
+        g = GaugeMetricFamily("eldr_proxy_state_replicas", "Live proxy replicas seen through the shared state",
+                              labels=["state"])
+        g.add_metric([sh.kind], sh.live_replicas)
+        yield g
+        g = GaugeMetricFamily("eldr_proxy_state_sync_age_seconds",
+                              "Seconds since the other replicas' counts were last read (state-sync lag)")
+        g.add_metric([], sh.sync_age_s())
+        yield g
+        c = CounterMetricFamily("eldr_proxy_state_errors", "Failed shared-state (Redis) operations")
+        c.add_metric([], sh.errors)
+        yield c
+        c = CounterMetricFamily("eldr_proxy_state_outages", "Times the shared state became unreachable")
+        c.add_metric([], sh.outages)
+        yield c
 
 
 class ProxyMetrics:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
+import time
+
+from eldr_cli.errors import EldrError
 
 _STD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -49,8 +53,30 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "warning", access
                           server_header=False, date_header=False)
 
 
-def serve(cfg) -> None:
-    """Run the proxy in the foreground until interrupted."""
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """The listening socket, bound before anything is printed: a port in use (or a bad --host) is one
+    message naming the flag. ``reuse_port``: SO_REUSEPORT, so N processes share one port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise EldrError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    family = infos[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EldrError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}",
+                        hint="choose another --port (or stop what listens there)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(cfg, sock: socket.socket | None = None) -> None:
+    """Run the proxy in the foreground until interrupted (on ``sock`` when given, already bound)."""
     import uvicorn
 
     from eldr_cli.proxy.app import create_app
@@ -58,4 +84,63 @@ def serve(cfg) -> None:
     setup_logging(cfg.log_level)
     app = create_app(cfg)
     uv_level = "info" if cfg.log_level == "debug" else "warning"
-    uvicorn.Server(uvicorn_config(app, cfg.host, cfg.port, uv_level, cfg.access_log)).run()
+    if sock is None:
+        sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)
+    sock.listen(4096)
+    uvicorn.Server(uvicorn_config(app, cfg.host, cfg.port, uv_level, cfg.access_log)).run(sockets=[sock])
+
+
+def _worker_main(cfg_dict: dict) -> None:  # pragma: no cover - runs in a child process
+    import signal
+
+    from eldr_cli.proxy.config import ProxyConfig
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its workers with SIGTERM
+    cfg = ProxyConfig(**cfg_dict)
+    serve(cfg, bind_socket(cfg.host, cfg.port, reuse_port=True))
+
+
+def serve_workers(cfg) -> None:
+    """``--workers N``: N proxy processes on one port (SO_REUSEPORT; the kernel spreads connections),
+    sharing in-flight counts and run-time changes through ``cfg.state``. Without ``--state`` they share
+    a private redis-server on 127.0.0.1 that lives as long as they do."""
+    import dataclasses
+    import multiprocessing as mp
+    import signal
+
+    from eldr_cli.proxy.redis_server import RedisServer
+
+    private = None
+    if cfg.state == "local":
+        private = RedisServer().start()
+        cfg = dataclasses.replace(cfg, state=private.url)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(dataclasses.asdict(cfg),), name=f"eldr-proxy-{i}")
+             for i in range(cfg.workers)]
+    stopping = False
+
+    def _stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    old = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        while not stopping and all(p.is_alive() for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        if private is not None:
+            private.stop()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    dead = [p for p in procs if p.exitcode not in (0, -signal.SIGTERM, None)]
+    if dead and not stopping:
+        raise EldrError(f"proxy worker {dead[0].name} exited with code {dead[0].exitcode}")

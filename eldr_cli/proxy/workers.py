@@ -20,6 +20,7 @@ class Worker:
     url: str
     healthy: bool = True
     inflight: int = 0              # requests dispatched by this proxy and not yet finished
+    remote_inflight: int = 0       # other replicas' last published in-flight (shared state; 0 when local)
     scraped_running: int | None = None  # vllm:num_requests_running from the worker's /metrics
     fail_streak: int = 0
     ok_streak: int = 0
@@ -28,13 +29,16 @@ class Worker:
     salt: int = 0
 
     def load(self, use_scraped: bool = False) -> int:
+        """In-flight requests over all proxy replicas (this one's exact, the others' last published)."""
+        inflight = self.inflight + self.remote_inflight
         if use_scraped and self.scraped_running is not None:
-            return max(self.inflight, self.scraped_running)
-        return self.inflight
+            return max(inflight, self.scraped_running)
+        return inflight
 
     def as_dict(self) -> dict:
         return {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy,
-                "inflight": self.inflight, "scraped_running": self.scraped_running}
+                "inflight": self.inflight, "cluster_inflight": self.inflight + self.remote_inflight,
+                "scraped_running": self.scraped_running}
 
 
 class WorkerPool:
@@ -124,10 +128,10 @@ class PrefixHashPrefill:
             if not cands:
                 return None
         if exclude is not None:  # a retry: the least-loaded other worker
-            return min(cands, key=lambda w: w.inflight)
+            return min(cands, key=lambda w: w.load())
         kb = key[: self.span].encode("utf-8", "surrogatepass")
         best = max(cands, key=lambda w: zlib.crc32(kb, w.salt))
-        avg = sum(w.inflight for w in cands) / len(cands)
-        if avg > 0 and best.inflight > self.overload * avg:
-            return min(cands, key=lambda w: w.inflight)
+        avg = sum(w.load() for w in cands) / len(cands)
+        if avg > 0 and best.load() > self.overload * avg:
+            return min(cands, key=lambda w: w.load())
         return best

