@@ -203,3 +203,13 @@ def test_baseline_policies():
 def test_p2c_takes_less_loaded_of_two():
     p = make_policy("p2c", 2, seed=0)
     assert all(p.choose([4, 1]) == 1 for _ in range(20))
+
+
+def test_choose_falls_back_to_the_least_loaded_healthy_worker():
+    """The "chosen decoder is down" fallback lives in the shared policy (proxy, simulator, replay)."""
+    from eldr_cli.stages.routing import make_policy
+
+    rr = make_policy("round-robin", 3)
+    assert rr.choose([0, 5, 1], healthy=[False, True, True]) == 2  # its pick (0) is down
+    assert rr.choose([0, 5, 1], healthy=[True, True, True]) == 1  # healthy pick kept
+    assert make_policy("jsq", 3).choose([0, 5, 1]) == 0  # no health given: the policy's own pick

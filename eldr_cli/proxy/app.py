@@ -450,9 +450,8 @@ class ProxyApp:
         if sig_state != "ok":
             m.child(m.signature_missing, sig_state).inc()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        idx = policy.choose(loads, signature=signature, domain=ctx["domain"])
-        if loads[idx] >= DOWN_LOAD:  # the decision fell on a worker marked down: least-loaded healthy one
-            idx = jsq(loads)
+        idx = policy.choose(loads, signature=signature, domain=ctx["domain"],
+                            healthy=[w.healthy for w in st.decode.workers])
         dt = time.perf_counter() - t0
         pname = st.policy_name
         ctx["policy"] = pname

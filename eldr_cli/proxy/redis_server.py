@@ -63,7 +63,8 @@ class RedisServer:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
-        self._dir = tempfile.TemporaryDirectory(prefix="eldr-redis-")
+        if self._dir is None:  # a restart after kill() keeps the folder (and the port)
+            self._dir = tempfile.TemporaryDirectory(prefix="eldr-redis-")
         self.proc = subprocess.Popen(
             [str(self.binary), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
              "--dir", self._dir.name, "--protected-mode", "yes", "--loglevel", "warning"],

@@ -112,10 +112,24 @@ class RoutingModel:
 # -- policies: one interface for the proxy, the simulator and replay ---------------------------
 
 class Policy:
+    """A decode routing policy. Subclasses implement :meth:`pick`; callers use :meth:`choose`."""
+
     name = "policy"
     needs_signature = False
 
-    def choose(self, loads, signature: np.ndarray | None = None, domain: str | None = None) -> int:
+    def choose(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
+               healthy: Sequence[bool] | None = None) -> int:
+        """The decode worker for one request. ``healthy`` (optional, one flag per worker): when the
+        policy's pick is marked down, the least-loaded healthy worker instead, so the proxy (which
+        knows health) and the simulator and replay (all healthy) decide the same way."""
+        idx = self.pick(loads, signature, domain)
+        if healthy is not None and not healthy[idx]:
+            up = [i for i, h in enumerate(healthy) if h]
+            if up:
+                idx = min(up, key=lambda i: loads[i])
+        return idx
+
+    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None) -> int:
         raise NotImplementedError
 
 
@@ -126,7 +140,7 @@ class RoundRobin(Policy):
         self.n = n_workers
         self._next = 0
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         w = self._next % len(loads)
         self._next = w + 1
         return w
@@ -138,7 +152,7 @@ class RandomPolicy(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         return int(self.rng.integers(len(loads)))
 
 
@@ -148,7 +162,7 @@ class JSQ(Policy):
     def __init__(self, n_workers: int, **_):
         pass
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         return jsq(loads)
 
 
@@ -160,7 +174,7 @@ class P2C(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         n = len(loads)
         if n == 1:
             return 0
@@ -204,7 +218,7 @@ class DomainPolicy(Policy):
         self.groups = split_workers_by_share(domain_share, n_workers)
         self.unlabelled = 0
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         group = self.groups.get(domain) if domain is not None else None
         if group is None:
             self.unlabelled += 1
@@ -229,7 +243,7 @@ class EldrPolicy(Policy):
         self.tau = model.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def choose(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None) -> int:
         if signature is None:
             self.last = None
             return jsq(loads)

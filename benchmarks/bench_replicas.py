@@ -1,0 +1,376 @@
+"""make bench-proxy (part 2): eldr serve-proxy beyond one process, against STUB workers.
+
+1. Capacity: the same open-loop Poisson load (bench_proxy's load generator, separate processes) through
+   - one `eldr serve-proxy` process,
+   - `eldr serve-proxy --workers 2` (two processes on one port, private redis-server),
+   - two replicas over one redis-server (the load split evenly between them),
+   - the Rust `vllm-router --policy round_robin` (the peer; single process),
+   with "direct" (the load generator runs the PD exchange itself) as the baseline: highest rate with
+   p99 added < 50 ms (no errors, >= 95% of the offered rate completed), added p50 at 200 req/s, and
+   router CPU per request (all of a row's processes, redis-server included).
+2. Routing quality with two replicas vs one (policy eldr, 2P4D, slow streams so requests stay in flight,
+   the same rate split over the replicas): the spread of in-flight requests across decoders (max - min,
+   sampled every 50 ms) and the share of decisions inside the locality band of their signature.
+3. Failover soak: 5,000 streamed requests split between two replicas; one replica is SIGKILLed at
+   40%, the redis-server is killed and restarted at 70%: requests on the survivor must all reach a
+   terminal outcome without error, its counters must return to 0, and the dead replica's load must
+   leave the survivor's view within the staleness bound.
+
+Everything binds 127.0.0.1. Prints tables, writes bench-results/replicas.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_proxy as bp  # noqa: E402  (load generator, process helpers)
+
+from eldr_cli.proxy.redis_server import RedisServer  # noqa: E402
+from eldr_cli.proxy.sharedstate import STALENESS_BOUND_S  # noqa: E402
+from eldr_cli.testing.ports import free_port  # noqa: E402
+from eldr_cli.testing.servers import wait_http  # noqa: E402
+
+PY, BIN = bp.PY, bp.BIN
+
+
+def _stubs(tmp, ports, *extra):
+    p = bp._spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(x)] for x in ports), []),
+                   "--layers", str(bp.SHAPE[0]), "--experts", str(bp.SHAPE[1]), *extra], tmp / "stubs.log")
+    for x in ports:
+        wait_http(f"http://127.0.0.1:{x}/health", 60, proc=p)
+    return p
+
+
+def _proxy(tmp, name, pre, dec, port, *extra):
+    p = bp._spawn([str(BIN / "eldr"), "serve-proxy", *sum((["--prefill", u] for u in pre), []),
+                   *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
+                   "--admin-token", "t", *extra], tmp / f"{name}.log")
+    wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
+    return p
+
+
+def _loadgen_split(tmp, urls, rate, duration):
+    """One load-generator process per URL, each at rate/len(urls), run at the same time; pooled."""
+    procs, outs = [], []
+    for i, u in enumerate(urls):
+        out = tmp / f"lg-{i}-{time.monotonic_ns()}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([PY, str(Path(bp.__file__)), "--loadgen", "--mode", "proxy", "--url", u,
+                                      "--rate", str(rate / len(urls)), "--duration", str(duration),
+                                      "--seed", str(i), "--out", str(out)], cwd=bp.ROOT))
+    for p in procs:
+        p.wait()
+    acc = None
+    for out in outs:
+        acc = bp._merge(acc, json.loads(out.read_text()))
+    if acc is not None and len(urls) > 1:
+        acc["wall_s"] /= len(urls)  # the runs were concurrent
+        acc["achieved_rps"] = acc["ok"] / acc["wall_s"]
+    return acc
+
+
+# --------------------------------------------------------------------------------------------- 1
+def capacity(tmp, args, routing, redis):
+    ports = [free_port() for _ in range(4)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    procs = [_stubs(tmp, ports, "--timeout-sleep-s", "2")]
+    rows_def = {}
+    try:
+        base = ["--routing", str(routing), "--policy", "eldr"]
+        p1 = free_port()
+        procs.append(_proxy(tmp, "one", pre, dec, p1, *base))
+        rows_def["eldr, 1 process"] = ([procs[-1]], [f"http://127.0.0.1:{p1}"])
+        pw = free_port()
+        procs.append(_proxy(tmp, "workers2", pre, dec, pw, *base, "--workers", "2"))
+        rows_def["eldr, --workers 2"] = ([procs[-1]], [f"http://127.0.0.1:{pw}"])
+        ra, rb = free_port(), free_port()
+        pa = _proxy(tmp, "replica-a", pre, dec, ra, *base, "--state", redis.url)
+        pb = _proxy(tmp, "replica-b", pre, dec, rb, *base, "--state", redis.url)
+        procs += [pa, pb]
+        rows_def["eldr, 2 replicas + Redis"] = ([pa, pb, redis.proc], [f"http://127.0.0.1:{ra}", f"http://127.0.0.1:{rb}"])
+        if not args.skip_peer and (BIN / "vllm-router").exists():
+            pr, prom = free_port(), free_port()
+            p = bp._spawn([str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
+                           *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec), []),
+                           "--host", "127.0.0.1", "--port", str(pr),
+                           "--log-level", "warning", "--max-concurrent-requests", "8192", "--queue-size", "8192",
+                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--policy", "round_robin"],
+                          tmp / "peer.log")
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{pr}/health", 90, proc=p)
+            rows_def["vllm-router round_robin"] = ([p], [f"http://127.0.0.1:{pr}"])
+        result: dict = {"rates": {}, "max_rate_p99_added_below_50ms": {k: None for k in rows_def}}
+        alive = {k: True for k in rows_def}
+        for rate in [float(x) for x in args.rates.split(",")]:
+            if not any(alive.values()):
+                break
+            base_res = bp._run_loadgen(tmp, "direct", rate, args.duration, prefill=pre[0], decode=dec[0])
+            rows = {"direct": bp._row(base_res, None)}
+            for name, (ps, urls) in rows_def.items():
+                if not alive[name] and rate != 200:
+                    continue
+                c0 = sum(bp._cpu_s(p.pid) for p in ps)
+                res = _loadgen_split(tmp, urls, rate, args.duration)
+                cpu = sum(bp._cpu_s(p.pid) for p in ps) - c0
+                r = bp._row(res, base_res)
+                r["cpu_us_per_request"] = cpu / max(1, res["ok"] + res["errors"] + 64 * len(urls)) * 1e6
+                rows[name] = r
+                ok = r["errors"] == 0 and r["added_p99_ms"] < 50 and r["achieved_rps"] >= 0.95 * rate
+                if ok and alive[name]:
+                    result["max_rate_p99_added_below_50ms"][name] = rate
+                elif not ok:
+                    alive[name] = False
+            result["rates"][str(int(rate))] = rows
+            print(f"  {int(rate)} req/s: " + ", ".join(f"{k} +{v['added_p99_ms']:.1f}ms p99 err={v['errors']}"
+                                                        for k, v in rows.items() if "added_p99_ms" in v), flush=True)
+        return result
+    finally:
+        for p in procs:
+            bp._stop(p)
+
+
+# --------------------------------------------------------------------------------------------- 2
+async def _stream_load(urls, rate, duration, seed, max_tokens):
+    """Poisson arrivals of streamed requests, round-robin over ``urls``; client-side outcomes."""
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    prompts = [f"prompt {i}: " + " ".join(f"word{(i * 31 + j) % 97}" for j in range(40)) for i in range(64)]
+    outcome = {"ok": 0, "error": 0}
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async def one(i):
+            try:
+                async with s.post(urls[i % len(urls)] + "/v1/completions",
+                                  json={"model": "m", "prompt": prompts[i % 64], "max_tokens": max_tokens,
+                                        "stream": True}) as r:
+                    await r.read()
+                    outcome["ok" if r.status == 200 else "error"] += 1
+            except Exception:
+                outcome["error"] += 1
+
+        tasks, t = [], time.perf_counter()
+        for i in range(int(rate * duration)):
+            t += rng.exponential(1 / rate)
+            await asyncio.sleep(max(0.0, t - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(one(i)))
+        await asyncio.gather(*tasks)
+    return outcome
+
+
+def _sample_spread(url, stop, out):
+    with httpx.Client(timeout=2) as c:
+        while not stop.is_set():
+            try:
+                ws = [w for w in c.get(url + "/health").json()["workers"] if w["role"] == "decode"]
+                vals = [w.get("cluster_inflight", w["inflight"]) for w in ws]
+                out.append(max(vals) - min(vals))
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.05)
+
+
+def quality(tmp, args, routing4, redis):
+    import threading
+
+    ports = [free_port() for _ in range(6)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = _stubs(tmp, ports, "--token-delay-s", "0.05")
+    out = {}
+    try:
+        for name, n in (("1 proxy", 1), ("2 replicas + Redis", 2)):
+            procs, urls, logs = [], [], []
+            for i in range(n):
+                port = free_port()
+                log = tmp / f"decisions-{n}-{i}.jsonl"
+                extra = ["--state", redis.url] if n > 1 else []
+                procs.append(_proxy(tmp, f"q{n}{i}", pre, dec, port, "--routing", str(routing4), "--policy", "eldr",
+                                    "--decision-log", str(log), *extra))
+                urls.append(f"http://127.0.0.1:{port}")
+                logs.append(log)
+            stop, spreads = threading.Event(), []
+            th = threading.Thread(target=_sample_spread, args=(urls[0], stop, spreads))
+            th.start()
+            outcome = asyncio.run(_stream_load(urls, args.quality_rate, args.quality_duration, 7, 20))
+            stop.set()
+            th.join()
+            for p in procs:
+                bp._stop(p)  # flushes the decision logs
+            rows = [json.loads(x) for log in logs for x in log.read_text().splitlines()]
+            in_band = [r["chosen"] in r["band"] for r in rows if r.get("band") is not None]
+            out[name] = {"requests": outcome, "decisions": len(rows),
+                         "in_band_share": float(np.mean(in_band)) if in_band else None,
+                         "spread_max": int(max(spreads)) if spreads else None,
+                         "spread_mean": float(np.mean(spreads)) if spreads else None,
+                         "spread_p99": float(np.percentile(spreads, 99)) if spreads else None}
+            print(f"  {name}: {out[name]}", flush=True)
+        one, two = out["1 proxy"], out["2 replicas + Redis"]
+        out["spread_max_ratio_2_over_1"] = (two["spread_max"] / one["spread_max"]) if one["spread_max"] else None
+        out["spread_p99_ratio_2_over_1"] = (two["spread_p99"] / one["spread_p99"]) if one["spread_p99"] else None
+        return out
+    finally:
+        bp._stop(stubs)
+
+
+# --------------------------------------------------------------------------------------------- 3
+async def _soak_client(url, n, concurrency, counter):
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def one(i):
+            async with sem:
+                try:
+                    async with s.post(url + "/v1/completions", json={
+                            "model": "m", "prompt": f"soak {i}", "max_tokens": 4, "stream": True}) as r:
+                        await r.read()
+                        counter["ok" if r.status == 200 else f"http_{r.status}"] += 1
+                except Exception as e:
+                    counter[type(e).__name__] += 1
+                counter["done"] += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def failover(tmp, args, routing, redis):
+    import collections
+    import threading
+
+    ports = [free_port() for _ in range(4)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = _stubs(tmp, ports, "--token-delay-s", "0.002")
+    pa, pb = free_port(), free_port()
+    a = _proxy(tmp, "soak-a", pre, dec, pa, "--routing", str(routing), "--state", redis.url)
+    b = _proxy(tmp, "soak-b", pre, dec, pb, "--routing", str(routing), "--state", redis.url)
+    ua, ub = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    ca: collections.Counter = collections.Counter()
+    cb: collections.Counter = collections.Counter()
+    half = args.soak_n // 2
+    res: dict = {"requests": args.soak_n, "staleness_bound_s": STALENESS_BOUND_S}
+    try:
+        ta = threading.Thread(target=lambda: asyncio.run(_soak_client(ua, half, 16, ca)))
+        tb = threading.Thread(target=lambda: asyncio.run(_soak_client(ub, args.soak_n - half, 16, cb)))
+        ta.start()
+        tb.start()
+        while ca["done"] + cb["done"] < 0.4 * args.soak_n:
+            time.sleep(0.01)
+        os.killpg(b.pid, signal.SIGKILL)  # the replica and nothing else of its group
+        t_kill = time.monotonic()
+        gone_after = None
+        with httpx.Client(timeout=2) as c:
+            while time.monotonic() - t_kill < 10:
+                ws = c.get(ua + "/health").json()["workers"]
+                if all(w["cluster_inflight"] == w["inflight"] for w in ws):
+                    gone_after = time.monotonic() - t_kill
+                    break
+                time.sleep(0.02)
+        res["dead_load_gone_after_s"] = gone_after
+        while ca["done"] + cb["done"] < 0.7 * args.soak_n and ta.is_alive():
+            time.sleep(0.01)
+        redis.kill()
+        time.sleep(1.0)
+        redis.start()
+        ta.join()
+        tb.join()
+        with httpx.Client(timeout=2) as c:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10:
+                h = c.get(ua + "/health").json()
+                if h["in_progress"] == 0 and all(w["inflight"] == 0 for w in h["workers"]):
+                    break
+                time.sleep(0.1)
+            m = bp._metrics(ua)
+        res["survivor"] = {"sent": half, "client": dict(ca), "in_progress_after": h["in_progress"],
+                           "inflight_after": sum(w["inflight"] for w in h["workers"]),
+                           "state_outages": sum(v for _, v in m.get("eldr_proxy_state_outages_total", [])),
+                           "replicas_after": h["replicas"]}
+        res["killed_replica_client"] = dict(cb)
+        print(f"  {res}", flush=True)
+        return res
+    finally:
+        for p in (a, b, stubs):
+            bp._stop(p)
+
+
+def main():
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench-results/replicas.json")
+    ap.add_argument("--rates", default="200,400,600,800,1000,1300,1600")
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--quality-rate", type=float, default=40.0)
+    ap.add_argument("--quality-duration", type=float, default=15.0)
+    ap.add_argument("--soak-n", type=int, default=5000)
+    ap.add_argument("--skip-peer", action="store_true")
+    args = ap.parse_args()
+    console = Console()
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.synth import synthetic_trace
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
+    write_trace(tmp / "trace", synthetic_trace(300, bp.SHAPE[0], bp.SHAPE[1], 8, seed=0))
+    routing2 = run_fit(tmp / "trace", tmp / "fit2", decoders=2, pairs=2000, figures=False)
+    routing4 = run_fit(tmp / "trace", tmp / "fit4", decoders=4, pairs=2000, figures=False)
+    result: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
+                    "note": "stub workers; proxies, redis-server, stubs and load generators on one 2-core machine"}
+    with RedisServer() as redis:
+        console.print("[bold]1. capacity[/] (stub workers that answer at once)")
+        result["capacity"] = capacity(tmp, args, routing2, redis)
+        console.print("[bold]2. routing quality[/], 1 proxy vs 2 replicas (2P4D, slow streams)")
+        result["quality"] = quality(tmp, args, routing4, redis)
+        console.print(f"[bold]3. failover soak[/]: {args.soak_n} requests, SIGKILL one replica, restart Redis")
+        result["failover"] = failover(tmp, args, routing2, redis)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+
+    cap = result["capacity"]
+    t = Table(title="proxy replicas vs one process (STUB workers; ms, CPU us/req)")
+    for c in ("router", "max rate", "add p50@200", "add p99@200", "CPU/req"):
+        t.add_column(c, justify="left" if c == "router" else "right")
+    r200 = cap["rates"].get("200", {})
+    for name, best in cap["max_rate_p99_added_below_50ms"].items():
+        r = r200.get(name, {})
+        t.add_row(name, str(int(best)) if best else "-", f"{r.get('added_p50_ms', float('nan')):.2f}",
+                  f"{r.get('added_p99_ms', float('nan')):.2f}", f"{r.get('cpu_us_per_request', float('nan')):.0f}")
+    console.print(t)
+    one = cap["max_rate_p99_added_below_50ms"].get("eldr, 1 process")
+    w2 = cap["max_rate_p99_added_below_50ms"].get("eldr, --workers 2")
+    result["summary"] = {
+        "workers2_over_one_max_rate": (w2 / one) if one and w2 else None,
+        "spread_max_ratio_2_over_1": result["quality"]["spread_max_ratio_2_over_1"],
+        "in_band_share_2_replicas": result["quality"]["2 replicas + Redis"]["in_band_share"],
+        "dead_load_gone_after_s": result["failover"]["dead_load_gone_after_s"],
+        "survivor_failed": sum(v for k, v in result["failover"]["survivor"]["client"].items()
+                               if k not in ("ok", "done")),
+    }
+    t2 = Table(title="summary")
+    t2.add_column("figure")
+    t2.add_column("value", justify="right")
+    for k, v in result["summary"].items():
+        t2.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(t2)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
