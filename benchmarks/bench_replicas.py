@@ -269,6 +269,13 @@ def failover(tmp, args, routing, redis):
         tb.start()
         while ca["done"] + cb["done"] < 0.4 * args.soak_n:
             time.sleep(0.01)
+        with httpx.Client(timeout=2) as c:  # the survivor must see the victim's load before it dies
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 5:
+                ws = c.get(ua + "/health").json()["workers"]
+                res["victim_load_seen_before_kill"] = sum(w["cluster_inflight"] - w["inflight"] for w in ws)
+                if res["victim_load_seen_before_kill"] > 0:
+                    break
         os.killpg(b.pid, signal.SIGKILL)  # the replica and nothing else of its group
         t_kill = time.monotonic()
         gone_after = None

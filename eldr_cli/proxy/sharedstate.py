@@ -7,7 +7,7 @@ the same "least loaded" decoder. What is shared, and how:
   Every ``HEARTBEAT_S`` a replica writes them to its own hash ``<ns>:inflight:<replica>`` (one field
   per ``role|url``) with a TTL of ``TTL_MS`` and reads the other live replicas' hashes; their sum is
   ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
-  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.75 s).
+  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.6 s).
   A decision never waits for Redis: it reads the last counts the heartbeat brought.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
   applied locally first (so a change refused on one replica is published nowhere), then published on
@@ -35,7 +35,7 @@ from eldr_cli.errors import EldrError
 
 log = logging.getLogger("eldr.proxy.state")
 
-HEARTBEAT_S = 0.25
+HEARTBEAT_S = 0.1
 TTL_MS = 1500
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
 
