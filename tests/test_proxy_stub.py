@@ -12,7 +12,7 @@ from _proxy_util import Cluster, build_routing
 from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SIGNATURE_KEY
 from eldr_cli.proxy import ProxyConfig, build_config, create_app
-from eldr_cli.proxy.app import parse_running
+from eldr_cli.proxy.health import parse_running
 from eldr_cli.stages.routing import RoutingModel, make_policy
 from eldr_cli.testing.stub_worker import fake_counts
 

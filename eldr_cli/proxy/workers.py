@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.upstream import HttpPool
 
 DOWN_LOAD = 1 << 30  # load shown to policies for a worker marked down
 
@@ -25,8 +29,16 @@ class Worker:
     fail_streak: int = 0
     ok_streak: int = 0
     removed: bool = False
-    session: object = field(default=None, repr=False)  # aiohttp.ClientSession, one pool per upstream
+    session: HttpPool | None = field(default=None, repr=False)  # one keep-alive pool per upstream
     salt: int = 0
+
+    def pool(self) -> HttpPool:
+        """The worker's connection pool; a worker already closed (removed and drained) cannot connect."""
+        if self.session is None:
+            from eldr_cli.proxy.upstream import UpstreamHTTPError
+
+            raise UpstreamHTTPError("connect", f"{self.role} worker {self.id} ({self.url}) is closed")
+        return self.session
 
     def load(self, use_scraped: bool = False) -> int:
         """In-flight requests over all proxy replicas (this one's exact, the others' last published)."""

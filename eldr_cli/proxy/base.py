@@ -1,0 +1,65 @@
+"""What the proxy's concern modules share: :class:`ProxyState` (pools, policy, routing model, counters)
+and :class:`AppParts`, the attributes and helpers of :class:`eldr_cli.proxy.app.ProxyApp` that the
+exchange, admin and health mixins use (declared here so each module type-checks on its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from eldr_cli.proxy.config import ProxyConfig
+from eldr_cli.proxy.sharedstate import make_shared_state
+from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
+from eldr_cli.stages.routing import RoutingModel, make_policy
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.decisionlog import DecisionLog
+    from eldr_cli.proxy.metrics import ProxyMetrics
+
+
+class ProxyState:
+    """Everything one proxy instance knows: pools, policy, routing model, counters."""
+
+    def __init__(self, cfg: ProxyConfig):
+        self.cfg = cfg
+        self.prefill = WorkerPool("prefill", cfg.prefill)
+        self.decode = WorkerPool("decode", cfg.decode)
+        self.model = RoutingModel.load(cfg.routing) if cfg.routing else None
+        self.routing_path = cfg.routing
+        self.tau_override = cfg.tau
+        self.policy_name = cfg.policy
+        self.policy = self._make(cfg.policy, len(self.decode), self.model, cfg.tau)
+        self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
+        self.in_progress = 0
+        self.started = 0
+        self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
+        self.outcomes: dict[str, int] = {}
+
+    def _make(self, name, n, model, tau):
+        return make_policy(name, n, model=model, tau=tau, seed=self.cfg.seed)
+
+    def tau_effective(self) -> float:
+        tau = getattr(self.policy, "tau", None)
+        if tau is not None:
+            return float(tau)
+        if self.tau_override is not None:
+            return float(self.tau_override)
+        return float(self.model.tau) if self.model is not None else float("nan")
+
+
+class AppParts:
+    """Declared for type checkers; :class:`eldr_cli.proxy.app.ProxyApp` provides them."""
+
+    cfg: ProxyConfig
+    state: ProxyState
+    metrics: ProxyMetrics
+    decision_log: DecisionLog | None
+
+    def _open(self, w: Worker) -> None:
+        raise NotImplementedError
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        raise NotImplementedError
+
+    async def _close_when_drained(self, w: Worker) -> None:
+        raise NotImplementedError

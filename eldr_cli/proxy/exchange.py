@@ -1,0 +1,358 @@
+"""The PD exchange of one client request (vLLM's disaggregated-serving protocol; see eldr_cli.proxy.app):
+read and check the body, prefill leg, the handoff decision by the shared policy, decode leg streamed back.
+Every request carries a typed :class:`RequestContext` and ends in exactly one terminal outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import orjson
+
+from eldr_cli.errors import EldrError
+from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
+from eldr_cli.proxy.base import AppParts
+from eldr_cli.proxy.http import (
+    JSON_HEADER,
+    SSE_HEADER,
+    ConnectFailed,
+    UpstreamError,
+    error_body,
+    send_bytes,
+    send_json,
+    validate_body,
+    wait_disconnect,
+)
+from eldr_cli.proxy.upstream import UpstreamHTTPError
+from eldr_cli.proxy.workers import DOWN_LOAD, Worker, prompt_key
+from eldr_cli.stages.routing import jsq
+
+log = logging.getLogger("eldr.proxy")
+
+PREFILL_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+@dataclass
+class RequestContext:
+    """What the proxy knows about one client request while it is served (and logs at the end)."""
+
+    rid: str
+    endpoint: str                      # "completions" | "chat"
+    domain: str | None = None          # X-Eldr-Domain (the Domain baseline's oracle label)
+    auth: bytes | None = None          # the client's Authorization header, passed upstream
+    t0: float = field(default_factory=time.perf_counter)
+    prefill: str | None = None         # worker ids as chosen
+    decode: str | None = None
+    policy: str | None = None
+    reason: str | None = None          # why the request did not end "ok"
+    delivered: bool = False            # [DONE] (or the whole answer) reached the client
+
+
+class ExchangeMixin(AppParts):
+    """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
+
+    # -- the generate path ----------------------------------------------------------------------
+    async def _generate(self, endpoint, scope, receive, send):
+        st = self.state
+        st.started += 1
+        st.in_progress += 1
+        rid = None
+        domain = None
+        auth = None
+        clen = None
+        for k, v in scope["headers"]:
+            if k == b"x-request-id":
+                rid = v.decode("latin-1")
+            elif k == b"x-eldr-domain":
+                domain = v.decode("utf-8", "replace")
+            elif k == b"authorization":
+                auth = v
+            elif k == b"content-length":
+                clen = v
+        rid = rid or uuid.uuid4().hex
+        ctx = RequestContext(rid=rid, endpoint=endpoint, domain=domain, auth=auth)
+        outcome = "cancelled"
+        try:
+            outcome = await self._generate_inner(ctx, clen, receive, send)
+        finally:
+            st.outcomes[outcome] = st.outcomes.get(outcome, 0) + 1
+            self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
+            st.in_progress -= 1  # last: tests in other threads wait for 0, then read the outcome
+            if log.isEnabledFor(logging.INFO):
+                log.info("request", extra={"event": "request", "request_id": rid, "endpoint": endpoint,
+                                           "outcome": outcome, "prefill": ctx.prefill,
+                                           "decode": ctx.decode, "policy": ctx.policy,
+                                           "reason": ctx.reason,
+                                           "ms": round((time.perf_counter() - ctx.t0) * 1e3, 3)})
+
+    async def _generate_inner(self, ctx: RequestContext, clen, receive, send) -> str:
+        limit = self.cfg.max_body_bytes
+        rid_h = (b"x-request-id", ctx.rid.encode("latin-1"))
+        if clen is not None:
+            try:
+                n = int(clen)
+            except ValueError:
+                n = -1
+            if n > limit:
+                ctx.reason = f"body of {n} bytes is over the {limit}-byte limit"
+                await send_json(send, 413, error_body(ctx.reason, "invalid_request_error", 413), [rid_h])
+                return "too_large"
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return "cancelled"
+            b = msg.get("body", b"")
+            if b:
+                size += len(b)
+                if size > limit:
+                    ctx.reason = f"body is over the {limit}-byte limit"
+                    await send_json(send, 413, error_body(ctx.reason, "invalid_request_error", 413), [rid_h])
+                    return "too_large"
+                chunks.append(b)
+            if not msg.get("more_body", False):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            ctx.reason = f"invalid JSON: {e}"
+            await send_json(send, 400, error_body(ctx.reason, "invalid_request_error", 400), [rid_h])
+            return "bad_request"
+        reason = validate_body(body, ctx.endpoint)
+        if reason is not None:
+            ctx.reason = reason
+            await send_json(send, 400, error_body(reason, "invalid_request_error", 400), [rid_h])
+            return "bad_request"
+
+        # the PD exchange runs as a task so that a client disconnect can cancel it
+        work = asyncio.ensure_future(self._pd(ctx, body, send, rid_h))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            watch.cancel()
+            raise
+        if work in done:
+            watch.cancel()
+            return work.result()
+        work.cancel()
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # the leg failed while being cancelled: the client is gone anyway
+            pass
+        if ctx.delivered:  # the client closed after reading [DONE]: a complete answer
+            return "ok"
+        ctx.reason = "client disconnected"
+        return "cancelled"
+
+    async def _pd(self, ctx: RequestContext, body, send, rid_h) -> str:
+        st, m = self.state, self.metrics
+        path = "/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
+        headers = [("content-type", "application/json"), ("x-request-id", ctx.rid)]
+        if ctx.auth is not None:
+            headers.append(("authorization", ctx.auth.decode("latin-1")))
+
+        # 1. prefill leg (one retry on another worker)
+        pre = dict(body)
+        pre["stream"] = False
+        pre["max_tokens"] = 1
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        pre.pop("min_tokens", None)
+        pre.pop("stream_options", None)
+        pre["kv_transfer_params"] = dict(PREFILL_KTP)
+        pre_raw = orjson.dumps(pre)
+        key = prompt_key(body, ctx.endpoint == "chat")
+        pw = st.prefix.choose(st.prefill, key)
+        failures = []
+        answer = None
+        for attempt in range(2):
+            if pw is None:
+                break
+            ctx.prefill = pw.id
+            m.child(m.prefill_dispatch, pw.id).inc()
+            try:
+                answer = await self._prefill_leg(pw, path, pre_raw, headers)
+                break
+            except UpstreamError as e:
+                m.child(m.upstream_errors, "prefill", pw.id, e.kind).inc()
+                if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
+                    # the worker rejected the request itself: retrying elsewhere would not help
+                    ctx.reason = f"prefill worker {pw.id} answered {e.status}"
+                    await send_bytes(send, e.status, e.body or b"{}", [JSON_HEADER, rid_h])
+                    return "bad_request"
+                failures.append(f"{pw.id} ({pw.url}): {e.reason}")
+                if attempt == 0:
+                    pw = st.prefix.choose(st.prefill, key, exclude=pw)
+                    if pw is not None:
+                        m.child(m.retries, "prefill").inc()
+        if answer is None:
+            ctx.reason = "prefill failed: " + ("; ".join(failures) or "no prefill worker")
+            await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
+            return "upstream_error"
+
+        # 2. handoff: signature -> shared policy decision
+        ktp = answer.get("kv_transfer_params")
+        if not isinstance(ktp, dict):
+            ktp = None
+        idx, loads = self._decide(ctx, ktp)
+
+        # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
+        dec = dict(body)
+        dec["kv_transfer_params"] = ktp
+        dec_raw = orjson.dumps(dec)
+        stream = bool(body.get("stream"))
+        tried = set()
+        while True:
+            dw = st.decode.workers[idx]
+            tried.add(dw.id)
+            ctx.decode = dw.id
+            try:
+                return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
+            except ConnectFailed as e:
+                m.child(m.upstream_errors, "decode", dw.id, "connect").inc()
+                loads = [DOWN_LOAD if w.id in tried else l for w, l in zip(st.decode.workers, loads, strict=True)]
+                nxt = jsq(loads)
+                if st.decode.workers[nxt].id in tried or len(tried) >= 2:
+                    ctx.reason = f"decode worker {dw.id} ({dw.url}) unreachable: {e}"
+                    await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
+                    return "upstream_error"
+                m.child(m.retries, "decode").inc()
+                idx = nxt
+
+    def _decide(self, ctx: RequestContext, ktp):
+        st, m = self.state, self.metrics
+        t0 = time.perf_counter()
+        policy = st.policy
+        enc = pop_signature(ktp)
+        signature = None
+        sig_state = "ok"
+        if enc is None:
+            sig_state = "missing"
+        elif policy.needs_signature and st.model is not None:
+            try:
+                signature = st.model.signature(decode_counts(enc))
+            except (SignatureDecodeError, EldrError):
+                sig_state = "malformed"
+        if sig_state != "ok":
+            m.child(m.signature_missing, sig_state).inc()
+        loads = st.decode.loads(self.cfg.scrape_metrics)
+        idx = policy.choose(loads, signature=signature, domain=ctx.domain,
+                            healthy=[w.healthy for w in st.decode.workers])
+        dt = time.perf_counter() - t0
+        pname = st.policy_name
+        ctx.policy = pname
+        m.child(m.decision_seconds, pname).observe(dt)
+        last = getattr(policy, "last", None) if signature is not None else None
+        if last is not None:
+            m.band_size.observe(len(last.band))
+        wid = st.decode.workers[idx].id
+        m.child(m.decisions, pname, wid).inc()
+        if self.decision_log is not None:
+            self.decision_log.write({
+                "ts": time.time(), "request_id": ctx.rid, "policy": pname, "tau": st.tau_effective(),
+                "signature": sig_state if policy.needs_signature or enc is None else "unused",
+                "similarities": None if last is None else last.similarities.tolist(),
+                "band": None if last is None else last.band.tolist(),
+                "loads": [int(x) for x in loads], "chosen": int(idx), "worker": wid,
+                "domain": ctx.domain, "decision_us": round(dt * 1e6, 2)})
+        return idx, loads
+
+    async def _prefill_leg(self, w: Worker, path, raw, headers) -> dict:
+        w.inflight += 1
+        resp = None
+        try:
+            try:
+                async with asyncio.timeout(self.cfg.prefill_timeout_s):
+                    resp = await w.pool().request("POST", path, raw, headers)
+                    data = await resp.read()
+                    status = resp.status
+            except TimeoutError:
+                raise UpstreamError("timeout", f"no answer within {self.cfg.prefill_timeout_s:g} s") from None
+            except UpstreamHTTPError as e:
+                raise UpstreamError("timeout" if e.kind == "timeout" else "connection", str(e)) from None
+        finally:
+            w.inflight -= 1
+            if resp is not None:
+                resp.release()
+        if status != 200:
+            raise UpstreamError("status", f"HTTP {status}: {data[:200].decode('utf-8', 'replace')}",
+                                status=status, body=data)
+        try:
+            ans = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("bad_answer", "prefill answer is not JSON") from None
+        if not isinstance(ans, dict):
+            raise UpstreamError("bad_answer", "prefill answer is not a JSON object")
+        return ans
+
+    async def _decode_leg(self, ctx: RequestContext, w: Worker, path, raw, headers, stream, send, rid_h) -> str:
+        m = self.metrics
+        rt = self.cfg.decode_read_timeout_s
+        w.inflight += 1
+        resp = None
+        try:
+            try:
+                resp = await w.pool().request("POST", path, raw, headers, timeout=rt)
+            except UpstreamHTTPError as e:
+                if e.kind == "connect":
+                    raise ConnectFailed(str(e)) from None
+                m.child(m.upstream_errors, "decode", w.id, e.kind if e.kind == "timeout" else "connection").inc()
+                ctx.reason = f"decode worker {w.id}: {e}"
+                await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
+                return "upstream_error"
+            wid_h = (b"x-eldr-decode-worker", w.id.encode())
+            pid_h = (b"x-eldr-prefill-worker", (ctx.prefill or "").encode())
+            if resp.status != 200:
+                try:
+                    data = await resp.read(rt)
+                except UpstreamHTTPError:
+                    data = b""
+                m.child(m.upstream_errors, "decode", w.id, "status").inc()
+                if 400 <= resp.status < 500:
+                    ctx.reason = f"decode worker {w.id} answered {resp.status}"
+                    await send_bytes(send, resp.status, data or b"{}", [JSON_HEADER, rid_h, wid_h, pid_h])
+                    return "bad_request"
+                ctx.reason = f"decode worker {w.id} answered HTTP {resp.status}: " \
+                                f"{data[:200].decode('utf-8', 'replace')}"
+                await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h, wid_h, pid_h])
+                return "upstream_error"
+            if not stream:
+                try:
+                    data = await resp.read(rt)
+                except UpstreamHTTPError as e:
+                    m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                    ctx.reason = f"decode worker {w.id} dropped the answer: {e}"
+                    await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h, wid_h, pid_h])
+                    return "upstream_error"
+                ctype = resp.headers.get("content-type", "application/json").encode("latin-1")
+                await send_bytes(send, 200, data, [(b"content-type", ctype), rid_h, wid_h, pid_h])
+                return "ok"
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [SSE_HEADER, (b"cache-control", b"no-cache"), rid_h, wid_h, pid_h]})
+            try:
+                async for chunk in resp.iter_chunks(rt):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if chunk.rstrip().endswith(b"data: [DONE]"):
+                        # the whole answer is with the client; it may hang up before the upstream ends
+                        ctx.delivered = True
+            except UpstreamHTTPError as e:
+                m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
+                ctx.reason = f"decode worker {w.id} stream ended abnormally: {e}"
+                ev = orjson.dumps(error_body(ctx.reason, "upstream_error", 502))
+                await send({"type": "http.response.body", "body": b"data: " + ev + b"\n\n", "more_body": False})
+                return "stream_error"
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return "ok"
+        finally:
+            w.inflight -= 1
+            if resp is not None:
+                resp.release()  # closes the connection unless the answer was read to its end

@@ -1,0 +1,92 @@
+"""HTTP plumbing of the proxy: ASGI send helpers, OpenAI-style error bodies, request-body checks,
+the upstream GET used by health checks and the errors the legs raise."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from eldr_cli.proxy.workers import Worker
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+JSON_HEADER = (b"content-type", b"application/json")
+SSE_HEADER = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+class UpstreamError(Exception):
+    def __init__(self, kind: str, reason: str, status: int | None = None, body: bytes | None = None):
+        super().__init__(reason)
+        self.kind, self.reason, self.status, self.body = kind, reason, status, body
+
+
+def error_body(message: str, type_: str, code: int) -> dict:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def validate_body(body, endpoint: str) -> str | None:
+    """The reason a request body is unacceptable, or None. Deliberately shallow: the worker
+    validates the rest; this catches what would break the PD flow itself."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if endpoint == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list"
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                return f"messages[{i}] must be an object with a string 'role'"
+    else:
+        p = body.get("prompt")
+        ok = isinstance(p, str) or (isinstance(p, list) and p and (
+            all(isinstance(x, str) for x in p) or all(isinstance(x, int) for x in p)
+            or all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in p)))
+        if not ok:
+            return "'prompt' must be a string, a list of strings, or token ids"
+    if "stream" in body and not isinstance(body["stream"], bool) and body["stream"] is not None:
+        return "'stream' must be a boolean"
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return f"'{key}' must be a non-negative integer"
+    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
+        return "'model' must be a string"
+    return None
+
+
+class ConnectFailed(Exception):
+    pass
+
+
+class Refused(Exception):
+    def __init__(self, msg, status=400):
+        super().__init__(msg)
+        self.status = status
+
+
+async def http_get(w: Worker, path: str, timeout: float) -> tuple[int, bytes]:
+    resp = None
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await w.pool().request("GET", path)
+            return resp.status, await resp.read()
+    finally:
+        if resp is not None:
+            resp.release()
+
+
+async def wait_disconnect(receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def send_bytes(send, status: int, body: bytes, headers) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send, status: int, obj, headers=()) -> None:
+    await send_bytes(send, status, orjson.dumps(obj), [JSON_HEADER, *headers])
