@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import Any
 
 import orjson
 
 from eldr_cli.errors import EldrError
 from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.http import Refused, error_body, send_json
+from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
 from eldr_cli.stages.routing import RoutingModel
 
 log = logging.getLogger("eldr.proxy")
@@ -19,7 +20,7 @@ log = logging.getLogger("eldr.proxy")
 class AdminMixin(AppParts):
     """Admin API of :class:`eldr_cli.proxy.app.ProxyApp`."""
 
-    def apply_remote_change(self, action: str, body: dict) -> None:
+    def apply_remote_change(self, action: str, body: dict[str, Any]) -> None:
         """A run-time change another replica made (and validated) applied here too."""
         m = self.metrics
         if action == "health":
@@ -49,7 +50,7 @@ class AdminMixin(AppParts):
                                                          "remote": True})
 
     # -- admin ----------------------------------------------------------------------------------
-    async def _admin(self, path, method, scope, receive, send):
+    async def _admin(self, path: str, method: str, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.metrics
         action = path.rsplit("/", 1)[-1]
         if action not in ("policy", "workers", "reload"):
@@ -96,13 +97,13 @@ class AdminMixin(AppParts):
         self.state.shared.publish_change(action, body)  # validated and applied here: every replica follows
         return await send_json(send, 200, result)
 
-    def _pools(self) -> dict:
+    def _pools(self) -> dict[str, Any]:
         st = self.state
         return {"policy": st.policy_name, "tau": st.tau_effective(), "routing": st.routing_path,
                 "k": None if st.model is None else st.model.n_clusters,
                 "prefill": [w.as_dict() for w in st.prefill], "decode": [w.as_dict() for w in st.decode]}
 
-    def _admin_policy(self, body) -> dict:
+    def _admin_policy(self, body: dict[str, Any]) -> dict[str, Any]:
         st = self.state
         name = body.get("policy", st.policy_name)
         tau = body.get("tau", st.tau_override)
@@ -115,7 +116,7 @@ class AdminMixin(AppParts):
         st.policy, st.policy_name, st.tau_override = policy, name, tau
         return self._pools()
 
-    def _admin_workers(self, body) -> dict:
+    def _admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
         st = self.state
         action, role, url = body.get("action"), body.get("role"), body.get("url")
         if action not in ("add", "remove") or role not in ("prefill", "decode") or not isinstance(url, str) \
@@ -144,7 +145,7 @@ class AdminMixin(AppParts):
             st.policy = st._make(st.policy_name, len(st.decode), st.model, st.tau_override)
         return self._pools()
 
-    def _admin_reload(self, body) -> dict:
+    def _admin_reload(self, body: dict[str, Any]) -> dict[str, Any]:
         st = self.state
         path = body.get("routing")
         if not isinstance(path, str):

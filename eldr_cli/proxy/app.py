@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from eldr_cli.proxy.admin import AdminMixin
 from eldr_cli.proxy.base import ProxyState
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.exchange import ExchangeMixin
 from eldr_cli.proxy.health import HealthMixin
-from eldr_cli.proxy.http import ENDPOINTS, error_body, send_bytes, send_json
+from eldr_cli.proxy.http import ENDPOINTS, Receive, Scope, Send, error_body, send_bytes, send_json
 from eldr_cli.proxy.metrics import ProxyMetrics
 from eldr_cli.proxy.upstream import HttpPool
 from eldr_cli.proxy.workers import Worker
@@ -49,8 +51,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         self.metrics = ProxyMetrics(self.state)
         self.decision_log = None
         self._started = False
-        self._health_task: asyncio.Task | None = None
-        self._bg: set[asyncio.Task] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[None]] = set()
     # -- lifetime -----------------------------------------------------------------------------
     async def start(self) -> None:
         if self._started:
@@ -98,7 +100,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         w.session = HttpPool(w.url, connect_timeout=self.cfg.connect_timeout_s,
                              max_idle=self.cfg.max_connections_per_worker)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
@@ -111,7 +113,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
             w.session = None
 
     # -- ASGI ---------------------------------------------------------------------------------
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         typ = scope["type"]
         if typ == "http":
             if not self._started:
@@ -152,7 +154,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
                     return
 
 
-def create_app(config: ProxyConfig | None = None, **kwargs) -> ProxyApp:
+def create_app(config: ProxyConfig | None = None, **kwargs: Any) -> ProxyApp:
     """The app factory: ``create_app(ProxyConfig(...))`` or ``create_app(prefill=[...], decode=[...], ...)``."""
     cfg = config if config is not None else ProxyConfig(**kwargs)
     return ProxyApp(cfg.validate())

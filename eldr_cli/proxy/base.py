@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.sharedstate import make_shared_state
 from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
-from eldr_cli.stages.routing import RoutingModel, make_policy
+from eldr_cli.stages.routing import Policy, RoutingModel, make_policy
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
@@ -35,7 +35,7 @@ class ProxyState:
         self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
         self.outcomes: dict[str, int] = {}
 
-    def _make(self, name, n, model, tau):
+    def _make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> Policy:
         return make_policy(name, n, model=model, tau=tau, seed=self.cfg.seed)
 
     def tau_effective(self) -> float:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from eldr_cli.errors import EldrError
 from eldr_cli.stages.routing import POLICIES
@@ -120,7 +121,7 @@ def check_decision_log_path(path: str) -> None:
         raise EldrError(f"--decision-log {path} is a folder; give a file name ending in .jsonl or .parquet")
 
 
-def load_config_file(path: str | os.PathLike) -> dict:
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML (.yaml/.yml) or TOML (.toml) file into a dict of ProxyConfig keys."""
     p = Path(path)
     if not p.is_file():
@@ -143,7 +144,7 @@ def load_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise EldrError(f"config file {p} must hold a mapping of option names to values")
     known = {f.name for f in dataclasses.fields(ProxyConfig)}
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key not in known:
@@ -154,7 +155,7 @@ def load_config_file(path: str | os.PathLike) -> dict:
     return out
 
 
-def build_config(file: str | os.PathLike | None = None, **overrides) -> ProxyConfig:
+def build_config(file: str | os.PathLike[str] | None = None, **overrides: Any) -> ProxyConfig:
     """File values, then explicit overrides (None = not given), validated."""
     values = load_config_file(file) if file else {}
     for k, v in overrides.items():

@@ -9,6 +9,7 @@ domain. ``.jsonl`` files are appended line by line; ``.parquet`` paths get numbe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -19,11 +20,11 @@ class DecisionLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.parquet = self.path.suffix == ".parquet"
         self.rows_per_part = rows_per_part
-        self._rows: list[dict] = []
+        self._rows: list[dict[str, Any]] = []
         self._part = 0
         self._fh = None if self.parquet else open(self.path, "ab", buffering=1 << 16)
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict[str, Any]) -> None:
         if self._fh is not None:
             self._fh.write(orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             return
@@ -36,10 +37,10 @@ class DecisionLog:
             return
         import polars as pl
 
-        def floats(v):
+        def floats(v: Any) -> list[float] | None:
             return None if v is None else [float(x) for x in v]
 
-        def ints(v):
+        def ints(v: Any) -> list[int] | None:
             return None if v is None else [int(x) for x in v]
 
         rows = [{**r, "similarities": floats(r.get("similarities")), "band": ints(r.get("band")),

@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -19,6 +20,9 @@ from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
     ConnectFailed,
+    Receive,
+    Scope,
+    Send,
     UpstreamError,
     error_body,
     send_bytes,
@@ -56,7 +60,7 @@ class ExchangeMixin(AppParts):
     """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
 
     # -- the generate path ----------------------------------------------------------------------
-    async def _generate(self, endpoint, scope, receive, send):
+    async def _generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.state
         st.started += 1
         st.in_progress += 1
@@ -89,7 +93,7 @@ class ExchangeMixin(AppParts):
                                            "reason": ctx.reason,
                                            "ms": round((time.perf_counter() - ctx.t0) * 1e3, 3)})
 
-    async def _generate_inner(self, ctx: RequestContext, clen, receive, send) -> str:
+    async def _generate_inner(self, ctx: RequestContext, clen: bytes | None, receive: Receive, send: Send) -> str:
         limit = self.cfg.max_body_bytes
         rid_h = (b"x-request-id", ctx.rid.encode("latin-1"))
         if clen is not None:
@@ -153,7 +157,7 @@ class ExchangeMixin(AppParts):
         ctx.reason = "client disconnected"
         return "cancelled"
 
-    async def _pd(self, ctx: RequestContext, body, send, rid_h) -> str:
+    async def _pd(self, ctx: RequestContext, body: dict[str, Any], send: Send, rid_h: tuple[bytes, bytes]) -> str:
         st, m = self.state, self.metrics
         path = "/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
         headers = [("content-type", "application/json"), ("x-request-id", ctx.rid)]
@@ -228,7 +232,7 @@ class ExchangeMixin(AppParts):
                 m.child(m.retries, "decode").inc()
                 idx = nxt
 
-    def _decide(self, ctx: RequestContext, ktp):
+    def _decide(self, ctx: RequestContext, ktp: dict[str, Any] | None) -> tuple[int, list[int]]:
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
         policy = st.policy
@@ -266,7 +270,7 @@ class ExchangeMixin(AppParts):
                 "domain": ctx.domain, "decision_us": round(dt * 1e6, 2)})
         return idx, loads
 
-    async def _prefill_leg(self, w: Worker, path, raw, headers) -> dict:
+    async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1
         resp = None
         try:
@@ -294,7 +298,8 @@ class ExchangeMixin(AppParts):
             raise UpstreamError("bad_answer", "prefill answer is not a JSON object")
         return ans
 
-    async def _decode_leg(self, ctx: RequestContext, w: Worker, path, raw, headers, stream, send, rid_h) -> str:
+    async def _decode_leg(self, ctx: RequestContext, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]],
+                          stream: bool, send: Send, rid_h: tuple[bytes, bytes]) -> str:
         m = self.metrics
         rt = self.cfg.decode_read_timeout_s
         w.inflight += 1

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.http import JSON_HEADER, error_body, http_get, send_bytes, send_json
+from eldr_cli.proxy.http import JSON_HEADER, Send, error_body, http_get, send_bytes, send_json
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker
 
@@ -17,7 +17,7 @@ class HealthMixin(AppParts):
     """Health endpoints and checks of :class:`eldr_cli.proxy.app.ProxyApp`."""
 
     # -- other endpoints ------------------------------------------------------------------------
-    async def _health(self, send):
+    async def _health(self, send: Send) -> None:
         st = self.state
         p_up, d_up = len(st.prefill.healthy()), len(st.decode.healthy())
         ok = p_up > 0 and d_up > 0
@@ -28,7 +28,7 @@ class HealthMixin(AppParts):
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
         await send_json(send, 200 if ok else 503, body)
 
-    async def _models(self, send):
+    async def _models(self, send: Send) -> None:
         st = self.state
         errs = []
         for w in [*st.decode.healthy(), *st.prefill.healthy()]:
@@ -43,7 +43,7 @@ class HealthMixin(AppParts):
                                               "upstream_error", 502))
 
     # -- health checks and load scraping --------------------------------------------------------
-    async def _health_loop(self):
+    async def _health_loop(self) -> None:
         while True:
             try:
                 await self.check_health_once()

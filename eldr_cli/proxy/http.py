@@ -4,10 +4,19 @@ the upstream GET used by health checks and the errors the legs raise."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
 
 import orjson
 
 from eldr_cli.proxy.workers import Worker
+
+# ASGI, as the proxy uses it (uvicorn passes plain dicts)
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = Sequence[tuple[bytes, bytes]]
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 JSON_HEADER = (b"content-type", b"application/json")
@@ -20,11 +29,11 @@ class UpstreamError(Exception):
         self.kind, self.reason, self.status, self.body = kind, reason, status, body
 
 
-def error_body(message: str, type_: str, code: int) -> dict:
+def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
-def validate_body(body, endpoint: str) -> str | None:
+def validate_body(body: Any, endpoint: str) -> str | None:
     """The reason a request body is unacceptable, or None. Deliberately shallow: the worker
     validates the rest; this catches what would break the PD flow itself."""
     if not isinstance(body, dict):
@@ -59,7 +68,7 @@ class ConnectFailed(Exception):
 
 
 class Refused(Exception):
-    def __init__(self, msg, status=400):
+    def __init__(self, msg: str, status: int = 400):
         super().__init__(msg)
         self.status = status
 
@@ -69,24 +78,24 @@ async def http_get(w: Worker, path: str, timeout: float) -> tuple[int, bytes]:
     try:
         async with asyncio.timeout(timeout):
             resp = await w.pool().request("GET", path)
-            return resp.status, await resp.read()
+            return int(resp.status), await resp.read()
     finally:
         if resp is not None:
             resp.release()
 
 
-async def wait_disconnect(receive) -> None:
+async def wait_disconnect(receive: Receive) -> None:
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
             return
 
 
-async def send_bytes(send, status: int, body: bytes, headers) -> None:
+async def send_bytes(send: Send, status: int, body: bytes, headers: Headers) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send, status: int, obj, headers=()) -> None:
+async def send_json(send: Send, status: int, obj: Any, headers: Headers = ()) -> None:
     await send_bytes(send, status, orjson.dumps(obj), [JSON_HEADER, *headers])

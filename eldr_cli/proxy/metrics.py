@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from eldr_cli.proxy.base import ProxyState
 
 OUTCOMES = ("ok", "bad_request", "too_large", "upstream_error", "stream_error", "cancelled", "unavailable")
 
@@ -11,10 +19,10 @@ OUTCOMES = ("ok", "bad_request", "too_large", "upstream_error", "stream_error", 
 class _LiveCollector:
     """Gauges read from the live proxy state at scrape time (in-flight, health, in-progress)."""
 
-    def __init__(self, state):
+    def __init__(self, state: ProxyState):
         self.state = state
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         st = self.state
         inflight = GaugeMetricFamily("eldr_proxy_inflight", "Requests in flight per upstream worker",
                                      labels=["role", "worker", "url"])
@@ -40,7 +48,7 @@ class _LiveCollector:
         yield p
         yield from self._shared(st)
 
-    def _shared(self, st):
+    def _shared(self, st: ProxyState) -> Iterator[Metric]:
         """Cluster-wide view and the health of the shared state (replicas over Redis)."""
         sh = st.shared
         cluster = GaugeMetricFamily("eldr_proxy_cluster_inflight",
@@ -67,7 +75,7 @@ class _LiveCollector:
 
 
 class ProxyMetrics:
-    def __init__(self, state):
+    def __init__(self, state: ProxyState):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("eldr_proxy_requests", "Client requests by endpoint and terminal outcome",
                                 ["endpoint", "outcome"], registry=r)
@@ -96,9 +104,9 @@ class ProxyMetrics:
             self.signature_missing.labels(reason)
         self.retries.labels("prefill")
 
-        self._children: dict = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def child(self, metric, *labels):
+    def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)`` cached (labels() costs a lock and a dict build per call)."""
         key = (id(metric), labels)
         c = self._children.get(key)

@@ -8,8 +8,14 @@ import logging
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from eldr_cli.errors import EldrError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from eldr_cli.proxy.config import ProxyConfig
 
 _STD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
@@ -38,8 +44,8 @@ def setup_logging(level: str = "info") -> None:
     lg.setLevel(level.upper())
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "warning", access_log: bool = False,
-                    graceful_s: float = 5):
+def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning", access_log: bool = False,
+                   graceful_s: int = 5) -> uvicorn.Config:
     import uvicorn
 
     loop = "uvloop"
@@ -75,7 +81,7 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.soc
     return sock
 
 
-def serve(cfg, sock: socket.socket | None = None) -> None:
+def serve(cfg: ProxyConfig, sock: socket.socket | None = None) -> None:
     """Run the proxy in the foreground until interrupted (on ``sock`` when given, already bound)."""
     import uvicorn
 
@@ -90,7 +96,7 @@ def serve(cfg, sock: socket.socket | None = None) -> None:
     uvicorn.Server(uvicorn_config(app, cfg.host, cfg.port, uv_level, cfg.access_log)).run(sockets=[sock])
 
 
-def _worker_main(cfg_dict: dict) -> None:  # pragma: no cover - runs in a child process
+def _worker_main(cfg_dict: dict[str, Any]) -> None:  # pragma: no cover - runs in a child process
     import signal
 
     from eldr_cli.proxy.config import ProxyConfig
@@ -100,7 +106,7 @@ def _worker_main(cfg_dict: dict) -> None:  # pragma: no cover - runs in a child 
     serve(cfg, bind_socket(cfg.host, cfg.port, reuse_port=True))
 
 
-def serve_workers(cfg) -> None:
+def serve_workers(cfg: ProxyConfig) -> None:
     """``--workers N``: N proxy processes on one port (SO_REUSEPORT; the kernel spreads connections),
     sharing in-flight counts and run-time changes through ``cfg.state``. Without ``--state`` they share
     a private redis-server on 127.0.0.1 that lives as long as they do."""
@@ -119,7 +125,7 @@ def serve_workers(cfg) -> None:
              for i in range(cfg.workers)]
     stopping = False
 
-    def _stop(*_):
+    def _stop(*_: object) -> None:
         nonlocal stopping
         stopping = True
 

@@ -45,7 +45,7 @@ class StateHost(Protocol):
 
     def all_workers(self) -> list[Any]: ...
 
-    def apply_remote_change(self, action: str, body: dict) -> None: ...
+    def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
 
 
 def parse_state_url(value: str | None) -> str:
@@ -87,7 +87,7 @@ class LocalState:
     async def stop(self) -> None:
         return None
 
-    def publish_change(self, action: str, body: dict) -> None:
+    def publish_change(self, action: str, body: dict[str, Any]) -> None:
         return None
 
 
@@ -214,7 +214,7 @@ class RedisState(LocalState):
             await asyncio.sleep(HEARTBEAT_S)
 
     # -- run-time changes -----------------------------------------------------------------------
-    def publish_change(self, action: str, body: dict) -> None:
+    def publish_change(self, action: str, body: dict[str, Any]) -> None:
         if self._redis is None:
             return
         msg = orjson.dumps({"origin": self.replica_id, "action": action, "body": body})

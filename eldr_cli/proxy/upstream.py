@@ -12,6 +12,8 @@ leg is abandoned (which makes vLLM abort the request).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -31,13 +33,27 @@ class _Conn(asyncio.Protocol):
 
     HIGH_WATER = 1 << 18
 
-    def __init__(self, pool):
+    pool: HttpPool
+    transport: asyncio.Transport  # set by connection_made, before create_connection returns the protocol
+    parser: httptools.HttpResponseParser
+    status: int | None
+    headers: dict[str, str]
+    chunks: list[bytes]
+    buffered: int
+    done: bool
+    closed: bool
+    keep_alive: bool
+    waiter: asyncio.Future[None] | None
+    paused: bool
+    got_bytes: bool
+    until_eof: bool
+
+    def __init__(self, pool: HttpPool):
         self.pool = pool
-        self.transport = None
         self.closed = False
         self._reset()
 
-    def _reset(self):
+    def _reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status = None
         self.headers = {}
@@ -51,10 +67,10 @@ class _Conn(asyncio.Protocol):
         self.until_eof = False
 
     # asyncio.Protocol
-    def connection_made(self, transport):
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
 
-    def data_received(self, data):
+    def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -63,7 +79,7 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
             self._wake(UpstreamHTTPError("closed", f"bad HTTP from upstream: {e}"))
 
-    def connection_lost(self, exc):
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.until_eof and self.status is not None and not self.done:
             self.done = True  # body delimited by connection close
@@ -73,16 +89,16 @@ class _Conn(asyncio.Protocol):
                                          + ("" if exc is None else f" ({type(exc).__name__})")))
 
     # httptools callbacks
-    def on_header(self, name, value):
+    def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
-    def on_headers_complete(self):
+    def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.until_eof = ("content-length" not in self.headers
                           and "chunked" not in self.headers.get("transfer-encoding", "").lower())
         self._wake(None)
 
-    def on_body(self, body):
+    def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
         self.buffered += len(body)
         if self.buffered > self.HIGH_WATER and not self.paused:
@@ -90,12 +106,12 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
         self._wake(None)
 
-    def on_message_complete(self):
+    def on_message_complete(self) -> None:
         self.done = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake(None)
 
-    def _wake(self, exc):
+    def _wake(self, exc: BaseException | None) -> None:
         w = self.waiter
         if w is not None and not w.done():
             if exc is None:
@@ -103,10 +119,10 @@ class _Conn(asyncio.Protocol):
             else:
                 w.set_exception(exc)
 
-    async def wait(self, timeout: float | None):
+    async def wait(self, timeout: float | None) -> None:
         """Wait for the next parser event (headers, body chunk, end, or loss)."""
         loop = self.pool.loop
-        self.waiter = fut = loop.create_future()
+        self.waiter = fut = cast("asyncio.Future[None]", loop.create_future())
         h = None
         if timeout is not None:
             h = loop.call_later(timeout, _expire, fut, timeout)
@@ -118,7 +134,7 @@ class _Conn(asyncio.Protocol):
                 h.cancel()
 
 
-def _expire(fut, timeout):
+def _expire(fut: asyncio.Future[None], timeout: float) -> None:
     if not fut.done():
         fut.set_exception(UpstreamHTTPError("timeout", f"no data from upstream for {timeout:g} s"))
 
@@ -126,15 +142,15 @@ def _expire(fut, timeout):
 class Response:
     __slots__ = ("conn", "status", "headers", "_finished")
 
-    def __init__(self, conn: _Conn):
+    def __init__(self, conn: _Conn, status: int):
         self.conn = conn
-        self.status = conn.status
+        self.status = status
         self.headers = conn.headers
         self._finished = False
 
     async def read(self, timeout: float | None = None) -> bytes:
         c = self.conn
-        parts = []
+        parts: list[bytes] = []
         while True:
             if c.chunks:
                 parts += c.chunks
@@ -148,7 +164,7 @@ class Response:
                 raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
             await c.wait(timeout)
 
-    async def iter_chunks(self, timeout: float | None = None):
+    async def iter_chunks(self, timeout: float | None = None) -> AsyncIterator[bytes]:
         c = self.conn
         while True:
             if c.chunks:
@@ -224,7 +240,7 @@ class HttpPool:
                                                f"{e.strerror or type(e).__name__}") from None
         return c
 
-    async def request(self, method: str, path: str, body: bytes = b"", headers: list[tuple[str, str]] = (),
+    async def request(self, method: str, path: str, body: bytes = b"", headers: Sequence[tuple[str, str]] = (),
                       timeout: float | None = None) -> Response:
         """Send a request and wait for the response head (at most ``timeout`` s of silence)."""
         head = [f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode("latin-1"), b"host: ", self.host_header,
@@ -261,7 +277,7 @@ class HttpPool:
                 c.closed = True
                 c.transport.close()
                 raise
-            return Response(c)
+            return Response(c, c.status)
         raise AssertionError("unreachable")
 
     async def close(self) -> None:

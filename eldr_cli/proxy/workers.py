@@ -8,8 +8,9 @@ routing artifact's centroid i) call worker i.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.upstream import HttpPool
@@ -47,7 +48,7 @@ class Worker:
             return max(inflight, self.scraped_running)
         return inflight
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "role": self.role, "url": self.url, "healthy": self.healthy,
                 "inflight": self.inflight, "cluster_inflight": self.inflight + self.remote_inflight,
                 "scraped_running": self.scraped_running}
@@ -66,7 +67,7 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Worker]:
         return iter(self.workers)
 
     def find(self, url: str) -> Worker | None:
@@ -101,7 +102,7 @@ class WorkerPool:
         return [w for w in self.workers if w.healthy]
 
 
-def prompt_key(body: dict, chat: bool) -> str:
+def prompt_key(body: dict[str, Any], chat: bool) -> str:
     """The text whose leading blocks identify a prompt for prefix affinity."""
     if chat:
         parts = []
