@@ -268,6 +268,7 @@ class ExchangeMixin(AppParts):
 
     async def _prefill_leg(self, w: Worker, path, raw, headers) -> dict:
         w.inflight += 1
+        self.state.shared.note_change()
         resp = None
         try:
             try:
@@ -281,6 +282,7 @@ class ExchangeMixin(AppParts):
                 raise UpstreamError("timeout" if e.kind == "timeout" else "connection", str(e)) from None
         finally:
             w.inflight -= 1
+            self.state.shared.note_change()
             if resp is not None:
                 resp.release()
         if status != 200:
@@ -298,6 +300,7 @@ class ExchangeMixin(AppParts):
         m = self.metrics
         rt = self.cfg.decode_read_timeout_s
         w.inflight += 1
+        self.state.shared.note_change()
         resp = None
         try:
             try:
@@ -354,5 +357,6 @@ class ExchangeMixin(AppParts):
             return "ok"
         finally:
             w.inflight -= 1
+            self.state.shared.note_change()
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end
