@@ -272,6 +272,7 @@ class ExchangeMixin(AppParts):
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1
+        self.state.shared.note_change()
         resp = None
         try:
             try:
@@ -285,6 +286,7 @@ class ExchangeMixin(AppParts):
                 raise UpstreamError("timeout" if e.kind == "timeout" else "connection", str(e)) from None
         finally:
             w.inflight -= 1
+            self.state.shared.note_change()
             if resp is not None:
                 resp.release()
         if status != 200:
@@ -303,6 +305,7 @@ class ExchangeMixin(AppParts):
         m = self.metrics
         rt = self.cfg.decode_read_timeout_s
         w.inflight += 1
+        self.state.shared.note_change()
         resp = None
         try:
             try:
@@ -359,5 +362,6 @@ class ExchangeMixin(AppParts):
             return "ok"
         finally:
             w.inflight -= 1
+            self.state.shared.note_change()
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

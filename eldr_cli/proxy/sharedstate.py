@@ -4,11 +4,14 @@ The locality band needs every replica to see every decoder's load, or replicas p
 the same "least loaded" decoder. What is shared, and how:
 
 - **In-flight counts.** Each replica's own counts stay exact locally (the proxy's ``Worker.inflight``).
-  Every ``HEARTBEAT_S`` a replica writes them to its own hash ``<ns>:inflight:<replica>`` (one field
-  per ``role|url``) with a TTL of ``TTL_MS`` and reads the other live replicas' hashes; their sum is
+  When they change, the replica publishes all of them (absolute values, with a version number) on
+  ``<ns>:counts``, coalesced to one message per event-loop turn, so the others see a dispatch within
+  about a millisecond on a LAN. Every ``HEARTBEAT_S`` it also writes them to its own hash
+  ``<ns>:inflight:<replica>`` with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
+  (which repairs any lost message: the newer version wins). The sum over the other replicas is
   ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
   counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.6 s).
-  A decision never waits for Redis: it reads the last counts the heartbeat brought.
+  A decision never waits for Redis: it reads the last counts that arrived.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
   applied locally first (so a change refused on one replica is published nowhere), then published on
   ``<ns>:admin``; every other replica applies the same change. Health transitions (a worker marked
@@ -90,6 +93,10 @@ class LocalState:
     def publish_change(self, action: str, body: dict[str, Any]) -> None:
         return None
 
+    def note_change(self) -> None:
+        """This replica's in-flight counts changed (called on every dispatch and completion)."""
+        return None
+
 
 class RedisState(LocalState):
     """In-flight counts and run-time changes shared through one Redis server (see module doc)."""
@@ -106,7 +113,11 @@ class RedisState(LocalState):
         self._tasks: list[asyncio.Task[None]] = []
         self._host: StateHost | None = None
         self._redis: Any = None
-        self._channel = f"{namespace}:admin"
+        self._channel = f"{self.ns}:admin"
+        self._counts_channel = f"{self.ns}:counts"
+        self.version = 0  # of this replica's published counts
+        self._others: dict[str, tuple[int, dict[str, int]]] = {}  # replica -> (version, counts)
+        self._flush_scheduled = False
 
     def _key(self, replica: str) -> str:
         return f"{self.ns}:inflight:{replica}"
@@ -155,8 +166,9 @@ class RedisState(LocalState):
         """Publish this replica's counts and read the others' (one heartbeat)."""
         assert self._host is not None and self._redis is not None
         workers = self._host.all_workers()
+        self.version += 1
         mine = {f"{w.role}|{w.url}": w.inflight for w in workers}
-        mine["_replica"] = 1  # the hash exists even when the replica has no workers
+        mine["_v"] = self.version  # also keeps the hash in existence when the replica has no workers
         key = self._key(self.replica_id)
         reg = f"{self.ns}:replicas"
         pipe = self._redis.pipeline(transaction=True)
@@ -164,32 +176,70 @@ class RedisState(LocalState):
         res = await pipe.execute()
         others = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in res[-1])
         others = [o for o in others if o != self.replica_id]
-        remote: dict[str, int] = {}
-        live = 1
+        hashes = []
         if others:
             pipe = self._redis.pipeline(transaction=False)
             for o in others:
                 pipe.hgetall(self._key(o))
             hashes = await pipe.execute()
-            gone = []
-            for o, h in zip(others, hashes, strict=True):
-                if not h:
-                    gone.append(o)  # expired: the replica stopped or died
-                    continue
-                live += 1
-                for f, v in h.items():
-                    f = f.decode() if isinstance(f, bytes) else f
-                    if f != "_replica":
-                        remote[f] = remote.get(f, 0) + int(v)
-            if gone:
-                await self._redis.srem(reg, *gone)
-        for w in workers:
-            w.remote_inflight = remote.get(f"{w.role}|{w.url}", 0)
-        self._replicas = live
+        gone, live = [], {}
+        for o, h in zip(others, hashes, strict=True):
+            if not h:
+                gone.append(o)  # expired: the replica stopped or died
+                continue
+            counts = {(f.decode() if isinstance(f, bytes) else f): int(v) for f, v in h.items()}
+            live[o] = (counts.pop("_v", 0), counts)
+        if gone:
+            await self._redis.srem(reg, *gone)
+        for o, (v, counts) in live.items():  # a message newer than the hash wins
+            if o not in self._others or self._others[o][0] < v:
+                self._others[o] = (v, counts)
+        self._others = {o: vc for o, vc in self._others.items() if o in live}
+        self._apply_remote()
+        self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
         if self.in_outage:
             self.in_outage = False
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
+
+    def _apply_remote(self) -> None:
+        remote: dict[str, int] = {}
+        for _, counts in self._others.values():
+            for k, v in counts.items():
+                remote[k] = remote.get(k, 0) + v
+        if self._host is not None:
+            for w in self._host.all_workers():
+                w.remote_inflight = remote.get(f"{w.role}|{w.url}", 0)
+
+    def note_change(self) -> None:
+        if self._flush_scheduled or self._redis is None or self.in_outage:
+            return
+        self._flush_scheduled = True
+        asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """One message with all of this replica's counts, for every change made in this loop turn."""
+        self._flush_scheduled = False
+        if self._host is None or self._redis is None:
+            return
+        self.version += 1
+        msg = orjson.dumps({"origin": self.replica_id, "v": self.version,
+                            "counts": {f"{w.role}|{w.url}": w.inflight for w in self._host.all_workers()}})
+        task = asyncio.get_running_loop().create_task(self._publish(msg, self._counts_channel))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def _on_counts(self, data: bytes) -> None:
+        try:
+            msg = orjson.loads(data)
+            origin, v, counts = msg["origin"], int(msg["v"]), msg["counts"]
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return
+        if origin == self.replica_id or not isinstance(counts, dict):
+            return
+        if origin not in self._others or self._others[origin][0] < v:
+            self._others[origin] = (v, {str(k): int(c) for k, c in counts.items()})
+            self._apply_remote()
 
     def _failed(self, e: BaseException) -> None:
         self.errors += 1
@@ -198,9 +248,8 @@ class RedisState(LocalState):
             self.outages += 1
             log.warning("shared state unreachable: routing on this replica's counts alone until Redis answers",
                         extra={"event": "state", "to": "local", "error": f"{type(e).__name__}: {e}"})
-        if self._host is not None:
-            for w in self._host.all_workers():  # stale counts of other replicas would mislead the band
-                w.remote_inflight = 0
+        self._others = {}  # stale counts of other replicas would mislead the band
+        self._apply_remote()
         self._replicas = 1
 
     async def _heartbeat_loop(self) -> None:
@@ -218,31 +267,36 @@ class RedisState(LocalState):
         if self._redis is None:
             return
         msg = orjson.dumps({"origin": self.replica_id, "action": action, "body": body})
-        task = asyncio.get_running_loop().create_task(self._publish(msg))
+        task = asyncio.get_running_loop().create_task(self._publish(msg, self._channel))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
-    async def _publish(self, msg: bytes) -> None:
+    async def _publish(self, msg: bytes, channel: str) -> None:
         try:
-            await asyncio.wait_for(self._redis.publish(self._channel, msg), timeout=1.0)
+            await asyncio.wait_for(self._redis.publish(channel, msg), timeout=1.0)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._failed(e)
-            log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
-                        extra={"event": "state", "error": str(e)})
+            if channel == self._channel:
+                log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
+                            extra={"event": "state", "error": str(e)})
 
     async def _subscribe_loop(self) -> None:
         while True:
             pubsub = None
             try:
                 pubsub = self._redis.pubsub()
-                await pubsub.subscribe(self._channel)
+                await pubsub.subscribe(self._channel, self._counts_channel)
                 while True:
                     m = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if m is None or m.get("type") != "message":
                         continue
-                    self._on_message(m["data"])
+                    ch = m["channel"].decode() if isinstance(m["channel"], bytes) else m["channel"]
+                    if ch == self._counts_channel:
+                        self._on_counts(m["data"])
+                    else:
+                        self._on_message(m["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as e:
