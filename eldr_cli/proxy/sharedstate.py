@@ -5,12 +5,12 @@ the same "least loaded" decoder. What is shared, and how:
 
 - **In-flight counts.** Each replica's own counts stay exact locally (the proxy's ``Worker.inflight``).
   When they change, the replica publishes all of them (absolute values, with a version number) on
-  ``<ns>:counts``, coalesced to one message per event-loop turn, so the others see a dispatch within
-  about a millisecond on a LAN. Every ``HEARTBEAT_S`` it also writes them to its own hash
+  ``<ns>:counts``, the changes of ``COALESCE_S`` (10 ms) in one message, so the others see a dispatch
+  within about 10 ms at a fraction of a message per request. Every ``HEARTBEAT_S`` it also writes them to its own hash
   ``<ns>:inflight:<replica>`` with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
   (which repairs any lost message: the newer version wins). The sum over the other replicas is
   ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
-  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.6 s).
+  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
   A decision never waits for Redis: it reads the last counts that arrived.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
   applied locally first (so a change refused on one replica is published nowhere), then published on
@@ -39,7 +39,8 @@ from eldr_cli.errors import EldrError
 log = logging.getLogger("eldr.proxy.state")
 
 HEARTBEAT_S = 0.1
-TTL_MS = 1500
+COALESCE_S = 0.01  # count changes within 10 ms go out as one message
+TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
 
 
@@ -215,10 +216,10 @@ class RedisState(LocalState):
         if self._flush_scheduled or self._redis is None or self.in_outage:
             return
         self._flush_scheduled = True
-        asyncio.get_running_loop().call_soon(self._flush)
+        asyncio.get_running_loop().call_later(COALESCE_S, self._flush)
 
     def _flush(self) -> None:
-        """One message with all of this replica's counts, for every change made in this loop turn."""
+        """One message with all of this replica's counts, for the changes of the last COALESCE_S."""
         self._flush_scheduled = False
         if self._host is None or self._redis is None:
             return
@@ -241,8 +242,12 @@ class RedisState(LocalState):
             self._others[origin] = (v, {str(k): int(c) for k, c in counts.items()})
             self._apply_remote()
 
-    def _failed(self, e: BaseException) -> None:
+    def _failed(self, e: BaseException, *, outage: bool = True) -> None:
+        """A failed Redis operation. Only the heartbeat decides that Redis is unreachable (``outage``):
+        a publish or subscription that fails around the same time is the same outage, counted once."""
         self.errors += 1
+        if not outage:
+            return
         if not self.in_outage:
             self.in_outage = True
             self.outages += 1
@@ -277,7 +282,7 @@ class RedisState(LocalState):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            self._failed(e)
+            self._failed(e, outage=False)
             if channel == self._channel:
                 log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
                             extra={"event": "state", "error": str(e)})
@@ -300,7 +305,7 @@ class RedisState(LocalState):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self._failed(e)
+                self._failed(e, outage=False)
                 await asyncio.sleep(HEARTBEAT_S)
             finally:
                 if pubsub is not None:
