@@ -341,7 +341,7 @@ def _metrics(url):
     return out
 
 
-def main():
+def _parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench-results/proxy.json")
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
@@ -359,12 +359,268 @@ def main():
     ap.add_argument("--sweep", default="300,500,700,1000,1400,2000")
     ap.add_argument("--soak-n", type=int, default=10000)
     ap.add_argument("--skip-peer", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _fit_routing(tmp: Path) -> Path:
+    """A routing artifact for the stub's fake prompt shape (K = 2 decoders)."""
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.synth import synthetic_trace
+
+    write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
+    return run_fit(tmp / "trace", tmp / "fit", decoders=2, pairs=2000, figures=False)
+
+
+def _flags(name, urls):
+    return sum(([name, u] for u in urls), [])
+
+
+class Rig:
+    """The processes of one run: stub workers, our proxy (policies eldr and jsq), the peer twice.
+    Every process started is in ``procs`` and stopped by ``stop_all`` (also on failure)."""
+
+    def __init__(self, tmp: Path, routing: Path):
+        self.tmp, self.routing = tmp, routing
+        self.ports = _free_ports(10)
+        self.pre = [f"http://127.0.0.1:{p}" for p in self.ports[:2]]
+        self.dec = [f"http://127.0.0.1:{p}" for p in self.ports[2:4]]
+        self.ours_url = f"http://127.0.0.1:{self.ports[4]}"
+        self.ours_jsq_url = f"http://127.0.0.1:{self.ports[9]}"
+        self.procs = []
+        self.stubs = self.ours = self.ours_jsq = None
+        self.peers = []  # (name, process, url)
+
+    def _start(self, cmd, log, health_url, timeout=60):
+        p = _spawn(cmd, self.tmp / log)
+        self.procs.append(p)
+        _wait_http(health_url, timeout=timeout)
+        return p
+
+    def start_stubs(self, token_delay_s=None, log="stubs.log"):
+        extra = [] if token_delay_s is None else ["--token-delay-s", str(token_delay_s)]
+        self.stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *_flags("--port", map(str, self.ports[:4])),
+                             "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
+                             *extra], self.tmp / log)
+        self.procs.append(self.stubs)
+        for u in self.pre + self.dec:
+            _wait_http(u + "/health")
+
+    def start_ours(self):
+        self.ours = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
+                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", "eldr",
+                                 "--port", str(self.ports[4]), "--log-level", "warning"],
+                                "ours.log", self.ours_url + "/health")
+        # the same proxy with the jsq policy: its cost without the signature handoff
+        self.ours_jsq = self._start([str(BIN / "eldr"), "serve-proxy", *_flags("--prefill", self.pre),
+                                     *_flags("--decode", self.dec), "--policy", "jsq",
+                                     "--port", str(self.ports[9]), "--log-level", "warning"],
+                                    "ours-jsq.log", self.ours_jsq_url + "/health")
+
+    def start_peers(self):
+        """The peer twice: its defaults (cache_aware prefill and decode) and round_robin (least work)."""
+        ports = self.ports
+        for name, extra, port, prom in (("vllm-router", [], ports[5], ports[7]),
+                                        ("vllm-router rr", ["--policy", "round_robin"], ports[6], ports[8])):
+            url = f"http://127.0.0.1:{port}"
+            p = self._start([str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *_flags("--prefill", self.pre),
+                             *_flags("--decode", self.dec), "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "warning", "--max-concurrent-requests", "8192", "--queue-size", "8192",
+                             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), *extra],
+                            f"peer-{port}.log", url + "/health", timeout=90)
+            self.peers.append((name, p, url))
+
+    def routers(self):
+        return [("eldr", self.ours, self.ours_url), ("eldr-proxy jsq", self.ours_jsq, self.ours_jsq_url),
+                *self.peers]
+
+    def stop_all(self):
+        for p in self.procs:
+            _stop(p)
+
+
+def _measure(rig: Rig, rate, duration, rounds=3):
+    """Phases interleaved in `rounds` rounds (direct, eldr, peers, direct, ...) so that drift in the
+    machine's other load hits every row alike; latencies pooled per row."""
+    routers = rig.routers()
+    direct_kw = {"prefill": rig.pre[0], "decode": rig.dec[0]}
+    pooled = {"direct": None, **{name: None for name, _, _ in routers}}
+    cpu = {name: [0.0, 0] for name, _, _ in routers}
+    for _ in range(rounds):
+        res = _run_loadgen(rig.tmp, "direct", rate, duration / rounds, **direct_kw)
+        pooled["direct"] = _merge(pooled["direct"], res)
+        for name, proc, url in routers:
+            c0 = _cpu_s(proc.pid)
+            res = _run_loadgen(rig.tmp, "proxy", rate, duration / rounds, url=url)
+            cpu[name][0] += _cpu_s(proc.pid) - c0
+            cpu[name][1] += res["ok"] + res["errors"] + 64  # + the warm-up requests
+            pooled[name] = _merge(pooled[name], res)
+    base = pooled["direct"]
+    rows = {"direct": _row(base, None)}
+    for name, _, _ in routers:
+        rows[name] = _row(pooled[name], base)
+        # router CPU per request: less sensitive to other load on the machine than latency
+        rows[name]["cpu_us_per_request"] = cpu[name][0] / max(1, cpu[name][1]) * 1e6
+    return rows
+
+
+def _rate_sweep(rig: Rig, rates, duration, console):
+    """Rates in increasing order until every router failed one: the highest rate per router with no
+    errors, p99 added < 50 ms and >= 95% of the offered rate completed."""
+    sweep = {}
+    best = {"eldr": None, "eldr-proxy jsq": None, "vllm-router": None, "vllm-router rr": None}
+    alive = {"eldr": True, "eldr-proxy jsq": True, "vllm-router": bool(rig.peers), "vllm-router rr": bool(rig.peers)}
+    for rate in rates:
+        if not any(alive.values()):
+            break
+        rows = _measure(rig, rate, duration)
+        sweep[str(int(rate))] = rows
+        for name in best:
+            r = rows.get(name)
+            if r is None or not alive[name]:
+                continue
+            if r["errors"] == 0 and r["added_p99_ms"] < 50 and r["achieved_rps"] >= 0.95 * rate:
+                best[name] = rate
+            else:
+                alive[name] = False
+        console.print(f"  {int(rate)} req/s: " + ", ".join(
+            f"{k} p99+{v['added_p99_ms']:.1f}ms ok={v['ok']} err={v['errors']}" for k, v in rows.items()
+            if "added_p99_ms" in v))
+    return sweep, best
+
+
+def _run_soak_loadgen(url, n, out, **kw):
+    cmd = [PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", url, "--n", str(n),
+           "--out", str(out)]
+    for k, v in kw.items():
+        cmd += [f"--{k}", str(v)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(Path(out).read_text())
+
+
+def _outcome_deltas(m0, m1):
+    outcomes = {}
+    for lab, v in m1.get("eldr_proxy_requests_total", []):
+        o = re.search(r'outcome="([^"]+)"', lab).group(1)
+        outcomes[o] = outcomes.get(o, 0) + v
+    for lab, v in m0.get("eldr_proxy_requests_total", []):
+        o = re.search(r'outcome="([^"]+)"', lab).group(1)
+        outcomes[o] -= v
+    return {k: int(v) for k, v in outcomes.items()}
+
+
+def _soak_phase(rig: Rig, n, concurrency):
+    """A fresh proxy with a short prefill timeout (from a config file) over stubs with a 2 ms token
+    delay, so that client disconnects land mid-stream; faults injected by the load generator."""
+    _stop(rig.ours)
+    _stop(rig.ours_jsq)
+    _stop(rig.stubs)
+    rig.start_stubs(token_delay_s=0.002, log="stubs-soak.log")
+    cfg = rig.tmp / "soak.toml"
+    cfg.write_text("\n".join([f'routing = "{rig.routing}"', f"prefill = {json.dumps(rig.pre)}",
+                              f"decode = {json.dumps(rig.dec)}", 'policy = "eldr"', f"port = {rig.ports[4]}",
+                              "prefill_timeout_s = 0.3", 'log_level = "error"']) + "\n")
+    url = rig.ours_url
+    ours = rig._start([str(BIN / "eldr"), "serve-proxy", "--config", str(cfg)], "ours-soak.log", url + "/health")
+    _run_soak_loadgen(url, 1000, rig.tmp / "soak-warm.json", seed=1)  # warm-up, then RSS "before"
+    time.sleep(1.5)
+    rss0 = _rss_mb(ours.pid)
+    m0 = _metrics(url)
+    soak = _run_soak_loadgen(url, n, rig.tmp / "soak.json", concurrency=concurrency)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:  # timeouts and cancellations settle
+        m1 = _metrics(url)
+        if m1["eldr_proxy_requests_in_progress"][0][1] == 0:
+            break
+        time.sleep(0.2)
+    rss1 = _rss_mb(ours.pid)
+    done0 = sum(v for _, v in m0.get("eldr_proxy_requests_total", []))
+    done1 = sum(v for _, v in m1.get("eldr_proxy_requests_total", []))
+    return {
+        "requests": soak["sent"], "injected": soak["kinds"], "client_view": soak["client"],
+        "wall_s": round(soak["wall_s"], 2),
+        "terminal_outcomes": int(done1 - done0), "outcomes": _outcome_deltas(m0, m1),
+        "without_terminal_outcome": int(soak["sent"] - (done1 - done0)),
+        "in_progress_after": m1["eldr_proxy_requests_in_progress"][0][1],
+        "inflight_after": sum(v for _, v in m1.get("eldr_proxy_inflight", [])),
+        "rss_before_mb": round(rss0, 1), "rss_after_mb": round(rss1, 1), "rss_delta_mb": round(rss1 - rss0, 1),
+        "retries": sum(v for _, v in m1.get("eldr_proxy_retries_total", [])),
+        "signature_missing": sum(v for _, v in m1.get("eldr_proxy_signature_missing_total", [])),
+    }
+
+
+def _latency_table(result):
+    from rich.table import Table
+
+    t = Table(title="eldr serve-proxy vs vllm-router (stub workers, same load; latencies in ms)")
+    for c in ("rate", "router", "ok", "err", "p50", "p99", "added p50", "added p99", "cpu us/req"):
+        t.add_column(c, justify="right")
+    for rate, rows in [("50", result["latency_50rps"]), ("200", result["latency_200rps"]),
+                       *result["sweep"].items()]:
+        for name, r in rows.items():
+            t.add_row(rate, name, str(r["ok"]), str(r["errors"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+                      f"{r.get('added_p50_ms', 0):.2f}" if name != "direct" else "-",
+                      f"{r.get('added_p99_ms', 0):.2f}" if name != "direct" else "-",
+                      f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-")
+    return t
+
+
+def _summary(result):
+    dec, r200, best = result["decision"], result["latency_200rps"], result["max_rate_p99_added_below_50ms"]
+    summary = {
+        "decision_median_us": dec["decision_median_us"], "decision_target_us": 20,
+        "decision_best_batch_median_us": dec["decision_best_batch_median_us"],
+        "handoff_median_us": dec["handoff_median_us"],
+        "eldr_added_p50_ms_at_50": result["latency_50rps"]["eldr"]["added_p50_ms"],
+        "eldr_added_p50_ms_at_200": r200["eldr"]["added_p50_ms"], "added_p50_target_ms": 1.0,
+        "eldr_added_p99_ms_at_200": r200["eldr"]["added_p99_ms"],
+        "eldr_max_rate": best["eldr"],
+        "eldr_cpu_us_per_request": r200["eldr"]["cpu_us_per_request"],
+        "eldr_proxy_jsq_added_p50_ms_at_200": r200["eldr-proxy jsq"]["added_p50_ms"],
+        "eldr_proxy_jsq_cpu_us_per_request": r200["eldr-proxy jsq"]["cpu_us_per_request"],
+        "eldr_proxy_jsq_max_rate": best["eldr-proxy jsq"],
+    }
+    if "vllm-router" in r200:
+        summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
+        summary["ratio_added_p50_eldr_over_vllm_router"] = (
+            r200["eldr"]["added_p50_ms"] / r200["vllm-router"]["added_p50_ms"]
+            if r200["vllm-router"]["added_p50_ms"] > 0 else None)
+        summary["vllm_router_max_rate"] = best["vllm-router"]
+        summary["vllm_router_rr_added_p50_ms_at_200"] = r200["vllm-router rr"]["added_p50_ms"]
+        summary["vllm_router_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router"]["added_p50_ms"]
+        summary["vllm_router_rr_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router rr"]["added_p50_ms"]
+        summary["vllm_router_rr_max_rate"] = best["vllm-router rr"]
+        rr = r200["vllm-router rr"]["added_p50_ms"]
+        summary["ratio_added_p50_eldr_over_vllm_router_rr"] = r200["eldr"]["added_p50_ms"] / rr if rr > 0 else None
+        summary["vllm_router_cpu_us_per_request"] = r200["vllm-router"]["cpu_us_per_request"]
+        summary["ratio_cpu_eldr_over_vllm_router"] = (r200["eldr"]["cpu_us_per_request"]
+                                                      / r200["vllm-router"]["cpu_us_per_request"])
+        if summary["vllm_router_max_rate"] and summary["eldr_max_rate"]:
+            summary["ratio_max_rate_eldr_over_vllm_router"] = summary["eldr_max_rate"] / summary["vllm_router_max_rate"]
+    return summary
+
+
+def _summary_table(summary, soak):
+    from rich.table import Table
+
+    t = Table(title="summary")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for k, v in summary.items():
+        t.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    for k in ("requests", "terminal_outcomes", "without_terminal_outcome", "in_progress_after", "inflight_after",
+              "rss_before_mb", "rss_after_mb", "rss_delta_mb", "retries", "signature_missing", "wall_s"):
+        t.add_row(f"soak {k}", str(soak[k]))
+    t.add_row("soak outcomes", json.dumps(soak["outcomes"]))
+    return t
+
+
+def main():
+    args = _parse_args()
     if args.loadgen:
         return loadgen_main(args)
 
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -377,225 +633,29 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
-    from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.synth import synthetic_trace
-
-    write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
-    routing = run_fit(tmp / "trace", tmp / "fit", decoders=2, pairs=2000, figures=False)
-    ports = _free_ports(10)
-    pre = [f"http://127.0.0.1:{p}" for p in ports[:2]]
-    dec_urls = [f"http://127.0.0.1:{p}" for p in ports[2:4]]
-    ours_url, peer_url = f"http://127.0.0.1:{ports[4]}", f"http://127.0.0.1:{ports[5]}"
-    stubs = ours = peer = None
-    procs = []
+    rig = Rig(tmp, _fit_routing(tmp))
     try:
-        stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
-                        "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2"],
-                       tmp / "stubs.log")
-        procs.append(stubs)
-        for u in pre + dec_urls:
-            _wait_http(u + "/health")
-        ours = _spawn([str(BIN / "eldr"), "serve-proxy", "--routing", str(routing),
-                       *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec_urls), []),
-                       "--policy", "eldr", "--port", str(ports[4]), "--log-level", "warning"], tmp / "ours.log")
-        procs.append(ours)
-        _wait_http(ours_url + "/health")
-        # the same proxy with the jsq policy: its cost without the signature handoff
-        ours_jsq_url = f"http://127.0.0.1:{ports[9]}"
-        ours_jsq = _spawn([str(BIN / "eldr"), "serve-proxy", *sum((["--prefill", u] for u in pre), []),
-                           *sum((["--decode", u] for u in dec_urls), []), "--policy", "jsq",
-                           "--port", str(ports[9]), "--log-level", "warning"], tmp / "ours-jsq.log")
-        procs.append(ours_jsq)
-        _wait_http(ours_jsq_url + "/health")
-        peers = []
+        rig.start_stubs()
+        rig.start_ours()
         if not args.skip_peer:
-            # the peer twice: its defaults (cache_aware prefill and decode) and round_robin (least work)
-            for name, extra, port, prom in (("vllm-router", [], ports[5], ports[7]),
-                                            ("vllm-router rr", ["--policy", "round_robin"], ports[6], ports[8])):
-                p = _spawn([str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
-                            *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec_urls), []),
-                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                            "--max-concurrent-requests", "8192", "--queue-size", "8192",
-                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), *extra],
-                           tmp / f"peer-{port}.log")
-                procs.append(p)
-                _wait_http(f"http://127.0.0.1:{port}/health", timeout=90)
-                peers.append((name, p, f"http://127.0.0.1:{port}"))
-            peer = peers[0][1]
-        direct_kw = {"prefill": pre[0], "decode": dec_urls[0]}
-
-        def measure(rate, duration, rounds=3):
-            """Phases interleaved in `rounds` rounds (direct, eldr, peers, direct, ...) so that drift in
-            the machine's other load hits every row alike; latencies pooled per row."""
-            routers = [("eldr", ours, ours_url), ("eldr-proxy jsq", ours_jsq, ours_jsq_url)] + \
-                [(name, p, u) for name, p, u in peers]
-            pooled = {"direct": None, **{name: None for name, _, _ in routers}}
-            cpu = {name: [0.0, 0] for name, _, _ in routers}
-            for _ in range(rounds):
-                res = _run_loadgen(tmp, "direct", rate, duration / rounds, **direct_kw)
-                pooled["direct"] = _merge(pooled["direct"], res)
-                for name, proc, url in routers:
-                    c0 = _cpu_s(proc.pid)
-                    res = _run_loadgen(tmp, "proxy", rate, duration / rounds, url=url)
-                    cpu[name][0] += _cpu_s(proc.pid) - c0
-                    cpu[name][1] += res["ok"] + res["errors"] + 64  # + the warm-up requests
-                    pooled[name] = _merge(pooled[name], res)
-            base = pooled["direct"]
-            rows = {"direct": _row(base, None)}
-            for name, _, _ in routers:
-                rows[name] = _row(pooled[name], base)
-                # router CPU per request: less sensitive to other load on the machine than latency
-                rows[name]["cpu_us_per_request"] = cpu[name][0] / max(1, cpu[name][1]) * 1e6
-            return rows
-
+            rig.start_peers()
         # a light load first (little queueing: closest to the per-request path cost), then 200 req/s
-        result["latency_50rps"] = measure(50, args.main_duration)
-        main_rows = measure(200, args.main_duration)
-        result["latency_200rps"] = main_rows
-        sweep = {}
-        best = {"eldr": None, "eldr-proxy jsq": None, "vllm-router": None, "vllm-router rr": None}
-        alive = {"eldr": True, "eldr-proxy jsq": True, "vllm-router": bool(peers), "vllm-router rr": bool(peers)}
-        for rate in [float(x) for x in args.sweep.split(",")]:
-            if not any(alive.values()):
-                break
-            rows = measure(rate, args.sweep_duration)
-            sweep[str(int(rate))] = rows
-            for name in best:
-                r = rows.get(name)
-                if r is None or not alive[name]:
-                    continue
-                ok = (r["errors"] == 0 and r["added_p99_ms"] < 50 and r["achieved_rps"] >= 0.95 * rate)
-                if ok:
-                    best[name] = rate
-                else:
-                    alive[name] = False
-            console.print(f"  {int(rate)} req/s: " + ", ".join(
-                f"{k} p99+{v['added_p99_ms']:.1f}ms ok={v['ok']} err={v['errors']}" for k, v in rows.items()
-                if "added_p99_ms" in v))
-        result["sweep"] = sweep
-        result["max_rate_p99_added_below_50ms"] = best
-        for _, p, _ in peers:
+        result["latency_50rps"] = _measure(rig, 50, args.main_duration)
+        result["latency_200rps"] = _measure(rig, 200, args.main_duration)
+        rates = [float(x) for x in args.sweep.split(",")]
+        result["sweep"], result["max_rate_p99_added_below_50ms"] = _rate_sweep(rig, rates, args.sweep_duration,
+                                                                                 console)
+        for _, p, _ in rig.peers:
             _stop(p)
-
-        # 3. soak against our proxy (fresh process with short prefill timeout, from a config file);
-        # stubs restarted with a 2 ms token delay so that client disconnects land mid-stream
-        _stop(ours)
-        _stop(ours_jsq)
-        _stop(stubs)
-        stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(p)] for p in ports[:4]), []),
-                        "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
-                        "--token-delay-s", "0.002"], tmp / "stubs-soak.log")
-        procs.append(stubs)
-        for u in pre + dec_urls:
-            _wait_http(u + "/health")
-        cfg = tmp / "soak.toml"
-        cfg.write_text("\n".join([f'routing = "{routing}"', f"prefill = {json.dumps(pre)}",
-                                  f"decode = {json.dumps(dec_urls)}", 'policy = "eldr"', f"port = {ports[4]}",
-                                  "prefill_timeout_s = 0.3", 'log_level = "error"']) + "\n")
-        ours = _spawn([str(BIN / "eldr"), "serve-proxy", "--config", str(cfg)], tmp / "ours-soak.log")
-        procs.append(ours)
-        _wait_http(ours_url + "/health")
         console.print(f"[bold]3. soak[/]: {args.soak_n} requests with injected faults")
-        # warm-up, then RSS "before"
-        out = tmp / "soak-warm.json"
-        subprocess.run([PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", ours_url,
-                        "--n", "1000", "--seed", "1", "--out", str(out)], check=True, cwd=ROOT)
-        time.sleep(1.5)
-        rss0 = _rss_mb(ours.pid)
-        m0 = _metrics(ours_url)
-        out = tmp / "soak.json"
-        subprocess.run([PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", ours_url,
-                        "--n", str(args.soak_n), "--concurrency", str(args.concurrency), "--out", str(out)],
-                       check=True, cwd=ROOT)
-        soak = json.loads(out.read_text())
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 10:  # timeouts and cancellations settle
-            m1 = _metrics(ours_url)
-            if m1["eldr_proxy_requests_in_progress"][0][1] == 0:
-                break
-            time.sleep(0.2)
-        rss1 = _rss_mb(ours.pid)
-        done0 = sum(v for _, v in m0.get("eldr_proxy_requests_total", []))
-        done1 = sum(v for _, v in m1.get("eldr_proxy_requests_total", []))
-        outcomes = {}
-        for lab, v in m1.get("eldr_proxy_requests_total", []):
-            o = re.search(r'outcome="([^"]+)"', lab).group(1)
-            outcomes[o] = outcomes.get(o, 0) + v
-        for lab, v in m0.get("eldr_proxy_requests_total", []):
-            o = re.search(r'outcome="([^"]+)"', lab).group(1)
-            outcomes[o] -= v
-        result["soak"] = {
-            "requests": soak["sent"], "injected": soak["kinds"], "client_view": soak["client"],
-            "wall_s": round(soak["wall_s"], 2),
-            "terminal_outcomes": int(done1 - done0), "outcomes": {k: int(v) for k, v in outcomes.items()},
-            "without_terminal_outcome": int(soak["sent"] - (done1 - done0)),
-            "in_progress_after": m1["eldr_proxy_requests_in_progress"][0][1],
-            "inflight_after": sum(v for _, v in m1.get("eldr_proxy_inflight", [])),
-            "rss_before_mb": round(rss0, 1), "rss_after_mb": round(rss1, 1), "rss_delta_mb": round(rss1 - rss0, 1),
-            "retries": sum(v for _, v in m1.get("eldr_proxy_retries_total", [])),
-            "signature_missing": sum(v for _, v in m1.get("eldr_proxy_signature_missing_total", [])),
-        }
+        result["soak"] = _soak_phase(rig, args.soak_n, args.concurrency)
     finally:
-        for p in procs:
-            _stop(p)
+        rig.stop_all()
 
-    # -- report -------------------------------------------------------------------------------
-    t = Table(title="eldr serve-proxy vs vllm-router (stub workers, same load; latencies in ms)")
-    for c in ("rate", "router", "ok", "err", "p50", "p99", "added p50", "added p99", "cpu us/req"):
-        t.add_column(c, justify="right")
-    for rate, rows in [("50", result["latency_50rps"]), ("200", result["latency_200rps"]),
-                       *result["sweep"].items()]:
-        for name, r in rows.items():
-            t.add_row(rate, name, str(r["ok"]), str(r["errors"]), f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
-                      f"{r.get('added_p50_ms', 0):.2f}" if name != "direct" else "-",
-                      f"{r.get('added_p99_ms', 0):.2f}" if name != "direct" else "-",
-                      f"{r['cpu_us_per_request']:.0f}" if "cpu_us_per_request" in r else "-")
-    console.print(t)
-    r200 = result["latency_200rps"]
-    summary = {
-        "decision_median_us": dec["decision_median_us"], "decision_target_us": 20,
-        "decision_best_batch_median_us": dec["decision_best_batch_median_us"],
-        "handoff_median_us": dec["handoff_median_us"],
-        "eldr_added_p50_ms_at_50": result["latency_50rps"]["eldr"]["added_p50_ms"],
-        "eldr_added_p50_ms_at_200": r200["eldr"]["added_p50_ms"], "added_p50_target_ms": 1.0,
-        "eldr_added_p99_ms_at_200": r200["eldr"]["added_p99_ms"],
-        "eldr_max_rate": result["max_rate_p99_added_below_50ms"]["eldr"],
-        "eldr_cpu_us_per_request": r200["eldr"]["cpu_us_per_request"],
-        "eldr_proxy_jsq_added_p50_ms_at_200": r200["eldr-proxy jsq"]["added_p50_ms"],
-        "eldr_proxy_jsq_cpu_us_per_request": r200["eldr-proxy jsq"]["cpu_us_per_request"],
-        "eldr_proxy_jsq_max_rate": result["max_rate_p99_added_below_50ms"]["eldr-proxy jsq"],
-    }
-    if "vllm-router" in r200:
-        summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
-        summary["ratio_added_p50_eldr_over_vllm_router"] = (
-            r200["eldr"]["added_p50_ms"] / r200["vllm-router"]["added_p50_ms"]
-            if r200["vllm-router"]["added_p50_ms"] > 0 else None)
-        summary["vllm_router_max_rate"] = result["max_rate_p99_added_below_50ms"]["vllm-router"]
-        summary["vllm_router_rr_added_p50_ms_at_200"] = r200["vllm-router rr"]["added_p50_ms"]
-        summary["vllm_router_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router"]["added_p50_ms"]
-        summary["vllm_router_rr_added_p50_ms_at_50"] = result["latency_50rps"]["vllm-router rr"]["added_p50_ms"]
-        summary["vllm_router_rr_max_rate"] = result["max_rate_p99_added_below_50ms"]["vllm-router rr"]
-        rr = r200["vllm-router rr"]["added_p50_ms"]
-        summary["ratio_added_p50_eldr_over_vllm_router_rr"] = r200["eldr"]["added_p50_ms"] / rr if rr > 0 else None
-        summary["vllm_router_cpu_us_per_request"] = r200["vllm-router"]["cpu_us_per_request"]
-        summary["ratio_cpu_eldr_over_vllm_router"] = (r200["eldr"]["cpu_us_per_request"]
-                                                      / r200["vllm-router"]["cpu_us_per_request"])
-        if summary["vllm_router_max_rate"] and summary["eldr_max_rate"]:
-            summary["ratio_max_rate_eldr_over_vllm_router"] = summary["eldr_max_rate"] / summary["vllm_router_max_rate"]
-    result["summary"] = summary
+    console.print(_latency_table(result))
+    result["summary"] = _summary(result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
-    s = result["soak"]
-    t2 = Table(title="summary")
-    t2.add_column("figure")
-    t2.add_column("value", justify="right")
-    for k, v in summary.items():
-        t2.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
-    for k in ("requests", "terminal_outcomes", "without_terminal_outcome", "in_progress_after", "inflight_after",
-              "rss_before_mb", "rss_after_mb", "rss_delta_mb", "retries", "signature_missing", "wall_s"):
-        t2.add_row(f"soak {k}", str(s[k]))
-    t2.add_row("soak outcomes", json.dumps(s["outcomes"]))
-    console.print(t2)
+    console.print(_summary_table(result["summary"], result["soak"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
