@@ -13,8 +13,8 @@ import pytest
 BASE = ["--policy", "jsq", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
 
 
-def _run(args, **kw):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), COLUMNS="200")
+def _run(args, extra_env=None, **kw):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), COLUMNS="200", **(extra_env or {}))
     return subprocess.run([sys.executable, "-m", "eldr_cli", "serve-proxy", *args], capture_output=True, text=True,
                           env=env, timeout=60, **kw)
 
@@ -53,3 +53,11 @@ def test_port_in_use_is_refused_before_the_banner():
         r = _run([*BASE, "--port", str(s.getsockname()[1])])
     assert r.returncode == 2 and "--port" in r.stderr and "in use" in r.stderr
     assert "serve-proxy on" not in r.stdout and "Traceback" not in r.stderr
+
+
+def test_workers_without_a_redis_server_is_refused_before_the_banner(tmp_path):
+    r = _run([*BASE, "--workers", "2"], extra_env={"ELDR_REDIS_SERVER": str(tmp_path / "no-such-redis-server")})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert "serve-proxy on" not in r.stdout
+    assert "--workers 2" in r.stderr and "ELDR_REDIS_SERVER" in r.stderr

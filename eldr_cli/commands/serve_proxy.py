@@ -43,6 +43,10 @@ def serve_proxy_cmd(
     from eldr_cli.proxy.server import bind_socket, serve_workers
 
     create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
+    if cfg.workers > 1 and cfg.state == "local":
+        from eldr_cli.proxy.redis_server import require_redis_server
+
+        require_redis_server(f"--workers {cfg.workers} without --state shares state through a private redis-server")
     sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # a busy port fails before the banner
     console.print(f"[green]eldr serve-proxy[/] on http://{cfg.host}:{cfg.port}  policy={cfg.policy}"
                   f"  prefill={len(cfg.prefill)}  decode={len(cfg.decode)}"

