@@ -9,8 +9,10 @@
    p99 added < 50 ms (no errors, >= 95% of the offered rate completed), added p50 at 200 req/s, and
    router CPU per request (all of a row's processes, redis-server included).
 2. Routing quality with two replicas vs one (policy eldr, 2P4D, slow streams so requests stay in flight,
-   the same rate split over the replicas): the spread of in-flight requests across decoders (max - min,
-   sampled every 50 ms) and the share of decisions inside the locality band of their signature.
+   the same arrivals split over the replicas): the spread of requests running at the decoders (max - min
+   of the stubs' own counts, sampled every 50 ms) and the share of decisions inside the locality band
+   of their signature (the band depends only on the signature and tau, so this holds by construction;
+   it guards against a replica deciding with another artifact or tau).
 3. Failover soak: 5,000 streamed requests split between two replicas; one replica is SIGKILLed at
    40%, the redis-server is killed and restarted at 70%: requests on the survivor must all reach a
    terminal outcome without error, its counters must return to 0, and the dead replica's load must
@@ -172,14 +174,18 @@ async def _stream_load(urls, rate, duration, seed, max_tokens):
     return outcome
 
 
-def _sample_spread(url, stop, out):
+def _sample_spread(decode_urls, stop, out):
+    """Spread of requests running AT THE DECODERS (each stub's vllm:num_requests_running): the ground
+    truth, the same for both runs, not any proxy's (possibly stale) view of it."""
+    from eldr_cli.proxy.health import parse_running
+
     with httpx.Client(timeout=2) as c:
         while not stop.is_set():
             try:
-                ws = [w for w in c.get(url + "/health").json()["workers"] if w["role"] == "decode"]
-                vals = [w.get("cluster_inflight", w["inflight"]) for w in ws]
-                out.append(max(vals) - min(vals))
-            except (httpx.HTTPError, KeyError, ValueError):
+                vals = [parse_running(c.get(u + "/metrics").text) for u in decode_urls]
+                if None not in vals:
+                    out.append(max(vals) - min(vals))
+            except httpx.HTTPError:
                 pass
             time.sleep(0.05)
 
@@ -203,7 +209,7 @@ def quality(tmp, args, routing4, redis):
                 urls.append(f"http://127.0.0.1:{port}")
                 logs.append(log)
             stop, spreads = threading.Event(), []
-            th = threading.Thread(target=_sample_spread, args=(urls[0], stop, spreads))
+            th = threading.Thread(target=_sample_spread, args=(dec, stop, spreads))
             th.start()
             outcome = asyncio.run(_stream_load(urls, args.quality_rate, args.quality_duration, 7, 20))
             stop.set()
