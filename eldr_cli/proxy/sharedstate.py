@@ -5,9 +5,10 @@ the same "least loaded" decoder. What is shared, and how:
 
 - **In-flight counts.** Each replica's own counts stay exact locally (the proxy's ``Worker.inflight``).
   When they change, the replica publishes all of them (absolute values, with a version number) on
-  ``<ns>:counts``, the changes of ``COALESCE_S`` (10 ms) in one message, so the others see a dispatch
-  within about 10 ms at a fraction of a message per request. Every ``HEARTBEAT_S`` it also writes them to its own hash
-  ``<ns>:inflight:<replica>`` with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
+  ``<ns>:counts``: the first change after a quiet spell at once, a burst at most once per
+  ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
+  request. Every ``HEARTBEAT_S`` it also writes them to its own hash ``<ns>:inflight:<replica>``
+  with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
   (which repairs any lost message: the newer version wins). The sum over the other replicas is
   ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
   counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
@@ -119,6 +120,7 @@ class RedisState(LocalState):
         self.version = 0  # of this replica's published counts
         self._others: dict[str, tuple[int, dict[str, int]]] = {}  # replica -> (version, counts)
         self._flush_scheduled = False
+        self._last_flush = float("-inf")  # loop time of the last counts message
 
     def _key(self, replica: str) -> str:
         return f"{self.ns}:inflight:{replica}"
@@ -215,14 +217,22 @@ class RedisState(LocalState):
     def note_change(self) -> None:
         if self._flush_scheduled or self._redis is None or self.in_outage:
             return
+        # the first change after a quiet spell goes out at once (after this loop turn); a burst of
+        # changes goes out at most once per COALESCE_S
         self._flush_scheduled = True
-        asyncio.get_running_loop().call_later(COALESCE_S, self._flush)
+        loop = asyncio.get_running_loop()
+        wait = self._last_flush + COALESCE_S - loop.time()
+        if wait <= 0:
+            loop.call_soon(self._flush)
+        else:
+            loop.call_later(wait, self._flush)
 
     def _flush(self) -> None:
         """One message with all of this replica's counts, for the changes of the last COALESCE_S."""
         self._flush_scheduled = False
         if self._host is None or self._redis is None:
             return
+        self._last_flush = asyncio.get_running_loop().time()
         self.version += 1
         msg = orjson.dumps({"origin": self.replica_id, "v": self.version,
                             "counts": {f"{w.role}|{w.url}": w.inflight for w in self._host.all_workers()}})
