@@ -49,3 +49,26 @@ def test_fit_command_outputs_match_reference(tmp_path):
            "gate-logit": 0.7104906993793397, "gate-prob": 0.6348472858606249, "sqrt": 0.7188654398848737}
     for k, v in ref.items():
         assert m["rho_by_transform"][k] == pytest.approx(v, abs=1e-6), k
+
+
+def test_numpy_rank_equals_scipy_rankdata():
+    from scipy.stats import rankdata
+
+    from eldr_cli.stages.signature import _rank
+
+    rng = np.random.default_rng(0)
+    for x in (rng.random(5000), rng.integers(0, 40, 5000).astype(float), np.round(rng.random((3, 700)), 2),
+              np.array([2.0]), np.zeros(9)):
+        np.testing.assert_array_equal(_rank(x), rankdata(x, axis=-1))
+
+
+@pytest.mark.parametrize("n,d", [(300, 900), (900, 300), (60, 2)])
+def test_pca_axes_span_the_svd_axes(n, d):
+    from eldr_cli.plots import _top2_axes
+
+    rng = np.random.default_rng(n)
+    X = rng.normal(size=(n, d)) * np.linspace(3, 1, d)
+    Xc = X - X.mean(axis=0)
+    V = _top2_axes(Xc)
+    vt = np.linalg.svd(Xc, full_matrices=False)[2]
+    np.testing.assert_allclose(np.abs((V * vt[:2].T).sum(axis=0)), 1.0, atol=1e-9)
