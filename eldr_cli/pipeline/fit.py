@@ -94,14 +94,18 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     weights, mask = lay.array("weights"), lay.array("mask")
     rows = _fit_rows(trace, split)
     src = trace.gate(transform) if transform.startswith("gate") else trace.prefill_counts
+    if src is None:
+        raise EldrError(f"the layers artifact uses transform {transform}, but the trace has no gate sums",
+                        hint="fit the layers on this trace or capture with gate sums")
     S = signatures(src[rows], transform, weights, mask)
     ok = np.linalg.norm(S, axis=1) > 0
-    rows, S = rows[ok], S[ok]
+    rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
     t0 = time.perf_counter()
     km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
     labels = np.full(trace.n_requests, -1, dtype=np.int32)
+    assert km.labels_ is not None  # set by fit
     labels[rows] = km.labels_
     domains = trace.column("domain")[rows]
     names, counts = np.unique(domains, return_counts=True)

@@ -171,7 +171,7 @@ def _grouped_pair_dots(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [P]])
     res = np.empty((L, P), dtype=np.float64)
-    for a, b in zip(starts, ends):
+    for a, b in zip(starts, ends, strict=True):
         res[:, a:b] = np.matmul(x[pj[a:b]].transpose(1, 0, 2), x[pi[a], :, :, None])[..., 0]
     out[:, order] = res
     return out
