@@ -96,3 +96,75 @@ def test_import_errors(tmp_path, capsys):
         assert not (tmp_path / "out").exists() and not staging_dir(tmp_path / "out").exists()
     with pytest.raises(EldrError, match="smaller than"):
         importer.import_trace(tmp_path / "two" / "acme" / "A", tmp_path / "o2", num_experts=4, progress=False)
+
+
+def _both(path, monkeypatch):
+    fast = importer._fast_parse(path.read_bytes())
+    with monkeypatch.context() as m:
+        m.setattr(importer, "_fast_parse", lambda raw: None)
+        try:
+            slow = importer.parse_trace_file(str(path))
+        except importer.BadTraceFile:
+            slow = None
+    return fast, slow
+
+
+def _assert_same(fast, slow):
+    assert fast is not None and slow is not None
+    assert fast[0] == slow[0] and fast[3:] == slow[3:]
+    np.testing.assert_array_equal(fast[1], slow[1])
+    np.testing.assert_array_equal(fast[2], slow[2])
+    assert fast[1].dtype == slow[1].dtype and fast[2].dtype == slow[2].dtype
+
+
+@pytest.mark.parametrize("top_k,num_experts", [(1, 128), (8, 128), (4, 1000), (2, 7)])
+def test_fast_parser_every_shape_and_layout(tmp_path, monkeypatch, top_k, num_experts):
+    """top-1 and top-8 shapes, 3- and 1-digit ids, and the same documents written compact, indented,
+    with tabs/CRLF and reversed key order: the fast path takes each and agrees with the JSON parse."""
+    files = write_oic_tree(tmp_path, n_per_subject=1, num_layers=10, num_experts=num_experts, top_k=top_k,
+                           prompt_tokens=(3, 9), decode_steps=5, seed=top_k)
+    for i, f in enumerate(files):
+        doc = json.loads(f["path"].read_text())
+        variants = {
+            "default": json.dumps(doc),
+            "compact": json.dumps(doc, separators=(",", ":")),
+            "indent": json.dumps(doc, indent=2),
+            "tabs-crlf": json.dumps(doc, indent="\t").replace("\n", "\r\n") + "\r\n",
+            "reversed-keys": json.dumps([dict(reversed(list(el.items()))) for el in doc], separators=(", ", " : ")),
+        }
+        for name, text in variants.items():
+            p = tmp_path / f"{i}-{name}.json"
+            p.write_text(text)
+            fast, slow = _both(p, monkeypatch)
+            _assert_same(fast, slow)
+
+
+def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
+    """Malformed or unusual files: the fast path returns None (the JSON path decides) or, where the
+    file is valid after all, the same result; it never accepts what the JSON parse rejects."""
+    good = '[{"0": null, "1": [[1, 2], [3, 4]], "3": [[5, 6], [7, 0]]}, {"0": null, "1": [[2, 1]], "3": [[9, 8]]}]'
+    cases = [
+        good,
+        good.replace("[[1, 2], [3, 4]]", "[1, 2, 3, 4]"),            # token lists flattened
+        good.replace("[[1, 2], [3, 4]]", "[[1, 2, 3], [4]]"),        # ragged token lists
+        good.replace("[[1, 2], [3, 4]]", "[[1], [2, 3, 4]]"),
+        good.replace("[[9, 8]]", "[[9, 8, 7]]"),                    # decode k differs
+        good.replace('"3": [[9, 8]]', '"5": [[9, 8]]'),              # decode layer not in prefill
+        good.replace("null", "nlul"),
+        good.replace("[[5, 6]", "[[05, 6]"),                        # leading zero: not JSON
+        good.replace("[[5, 6]", "[[5000, 6]"),                      # long ids: JSON path
+        good.replace("[[5, 6]", "[[5.0, 6]"),
+        good.replace('"1":', '"1" :').replace('"3":', '"3"\n:'),
+        good[:-1],                                                # truncated
+        good.replace("{", "[", 1),
+        good.replace("]]}", "]]]}", 1),
+    ]
+    for i, text in enumerate(cases):
+        p = tmp_path / f"{i}.json"
+        p.write_text(text)
+        fast, slow = _both(p, monkeypatch)
+        if fast is not None:
+            _assert_same(fast, slow)
+        if slow is None:
+            assert fast is None, text
+    assert importer._fast_parse(good.encode()) is not None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr_cli.plots import _plt, _save
+from eldr_cli import plots
 
 MODE_LABEL = {"real": "measured (real engine)", "emulated": "EMULATED cluster (cost model)",
               "simulated": "SIMULATED (discrete-event, cost model)"}
@@ -15,7 +15,7 @@ MODE_LABEL = {"real": "measured (real engine)", "emulated": "EMULATED cluster (c
 
 def moe_layer_cost(path: Path, rows: list[dict], model, facts: dict) -> Path:
     """Fig. 2: one MoE layer's time against distinct active experts, one line per batch size."""
-    plt = _plt()
+    plt = plots.plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     batches = sorted({r["batch"] for r in rows})
     cmap = plt.get_cmap("viridis")
@@ -31,12 +31,12 @@ def moe_layer_cost(path: Path, rows: list[dict], model, facts: dict) -> Path:
                  f"E={facts['num_experts']}, H={facts['hidden']}, I={facts['intermediate']}, k={facts['top_k']}\n"
                  f"fit: {model.a_ms:.2f} + {model.b_ms:.3f}*active + {model.c_ms:.4f}*tokens ms", fontsize=8)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return plots.save(fig, path)
 
 
 def sweep_figure(path: Path, runs: list[dict], mode: str, title: str = "") -> Path:
     """Fig. 11: median TPOT, p99 TPOT and median TTFT against request rate, one line per router."""
-    plt = _plt()
+    plt = plots.plt()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.3))
     routers = list(dict.fromkeys(r["router"] for r in runs))
     for key, ax, lab in (("median_tpot_ms", axes[0], "TPOT median (ms)"), ("p99_tpot_ms", axes[1], "TPOT p99 (ms)"),
@@ -52,7 +52,7 @@ def sweep_figure(path: Path, runs: list[dict], mode: str, title: str = "") -> Pa
         ax.set_ylabel(lab)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{title + ' -- ' if title else ''}{MODE_LABEL.get(mode, mode)}", fontsize=9)
-    return _save(fig, path)
+    return plots.save(fig, path)
 
 
 def active_experts_figure(path: Path, steps: dict[str, tuple[np.ndarray, np.ndarray]], mode: str,
@@ -61,7 +61,7 @@ def active_experts_figure(path: Path, steps: dict[str, tuple[np.ndarray, np.ndar
 
     ``steps[router] = (batch [S], active_total [S])``; active per layer = active_total / n_layers.
     """
-    plt = _plt()
+    plt = plots.plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, (batch, active) in steps.items():
         if len(batch) == 0:
@@ -82,4 +82,4 @@ def active_experts_figure(path: Path, steps: dict[str, tuple[np.ndarray, np.ndar
     ax.set_ylabel("distinct active experts per layer per step")
     ax.set_title(f"{title + ' -- ' if title else ''}{MODE_LABEL.get(mode, mode)}", fontsize=9)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return plots.save(fig, path)

@@ -65,13 +65,13 @@ class Aggregates:
 
 
 def fig1_domain_heatmap(path: Path, agg: Aggregates, moe_layer_ids: list[int]) -> Path | None:
-    from eldr_cli.plots import _plt, _save
+    from eldr_cli import plots
 
     doms, rel, _ = agg.domain_relative()
     if len(doms) < 2:
         return None
     l = agg.most_discriminative_layer()
-    plt = _plt()
+    plt = plots.plt()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.12 * agg.E + 2), 0.45 * len(doms) + 1.6))
     v = float(np.abs(rel[:, l]).max()) or 1.0
     im = ax.imshow(rel[:, l] * 100, aspect="auto", cmap="RdBu_r", vmin=-v * 100, vmax=v * 100,
@@ -81,14 +81,14 @@ def fig1_domain_heatmap(path: Path, agg: Aggregates, moe_layer_ids: list[int]) -
     ax.set_title(f"Prefill expert activation per domain vs cross-domain mean, MoE layer {moe_layer_ids[l]} "
                  "(most discriminative)")
     fig.colorbar(im, ax=ax, label="% above / below cross-domain mean")
-    return _save(fig, path)
+    return plots.save(fig, path)
 
 
 def fig3_prefill_decode(path: Path, agg: Aggregates, moe_layer_ids: list[int]) -> Path:
-    from eldr_cli.plots import _plt, _save
+    from eldr_cli import plots
 
     p, d, corr = agg.prefill_share(), agg.decode_share(), agg.prefill_decode_corr()
-    plt = _plt()
+    plt = plots.plt()
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     cmap = plt.get_cmap("viridis")
     for l in range(agg.L):
@@ -103,4 +103,4 @@ def fig3_prefill_decode(path: Path, agg: Aggregates, moe_layer_ids: list[int]) -
     ax.set_title(f"Prefill vs decode per-expert activation (mean r over layers = {mean:.2f})")
     if agg.L <= 12:
         ax.legend(fontsize=6, markerscale=1.5)
-    return _save(fig, path)
+    return plots.save(fig, path)

@@ -186,7 +186,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
 def _plot_eval(path, sc, R, generated) -> None:
     from eldr_cli import plots
 
-    plt = plots._plt()
+    plt = plots.plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
     names = {"contiguous": "contiguous", "global_eplb": "global EPLB", "per_decoder": "per-decoder"}
     colors = {"contiguous": "tab:grey", "global_eplb": "tab:blue", "per_decoder": "tab:orange"}
@@ -205,4 +205,4 @@ def _plot_eval(path, sc, R, generated) -> None:
     a2.legend()
     src = "GENERATED trace" if generated else "captured trace"
     fig.suptitle(f"Replayed decode batches, EP R={R} ({src})")
-    plots._save(fig, path)
+    plots.save(fig, path)

@@ -70,11 +70,13 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
                           "rho_all_layers": sel.rho_all_layers_, "n_requests": sel.n_requests_,
                           "fit_s": round(fit_s, 4)})
         if figures:
+            t_fig = time.perf_counter()
             from eldr_cli import plots
 
             plots.rho_per_transform(w.figure_path("fig7_rho_per_transform.png"), sel.rho_by_transform_,
                                     chosen=sel.transform_)
             plots.cumulative_rho(w.figure_path("fig8_cumulative_rho.png"), sel.cumulative_rho_, sel.n_layers_)
+            w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)
 
 
@@ -92,14 +94,18 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     weights, mask = lay.array("weights"), lay.array("mask")
     rows = _fit_rows(trace, split)
     src = trace.gate(transform) if transform.startswith("gate") else trace.prefill_counts
+    if src is None:
+        raise EldrError(f"the layers artifact uses transform {transform}, but the trace has no gate sums",
+                        hint="fit the layers on this trace or capture with gate sums")
     S = signatures(src[rows], transform, weights, mask)
     ok = np.linalg.norm(S, axis=1) > 0
-    rows, S = rows[ok], S[ok]
+    rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
     t0 = time.perf_counter()
     km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
     labels = np.full(trace.n_requests, -1, dtype=np.int32)
+    assert km.labels_ is not None  # set by fit
     labels[rows] = km.labels_
     domains = trace.column("domain")[rows]
     names, counts = np.unique(domains, return_counts=True)
@@ -120,9 +126,11 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                           "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
                           "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
         if figures:
+            t_fig = time.perf_counter()
             from eldr_cli import plots
 
             plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
+            w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)
 
 
@@ -130,21 +138,34 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
             tau: float = 0.1, vanilla: bool = False, split: str = "calibration", figures: bool = True) -> Path:
     """All three stages, each into its own sub-artifact of ``out``; ``out/routing`` is what the proxy loads.
 
-    The whole directory is built beside ``out`` and renamed into place at the end.
+    The whole directory is built beside ``out`` and renamed into place at the end. The manifest's
+    ``phase_s`` splits the time (reading the trace, each stage with its figures, the manifests).
     """
+    t_read = time.perf_counter()
     trace = read_trace(trace_path, with_picks=False)
     checks.check_k_range(decoders, int(trace.split_mask(split).sum()))  # fail before any work
     out = Path(out)
     t0 = time.perf_counter()
+    phase_s = {"read_trace": round(t0 - t_read, 4)}
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        phase_s[name] = round(now - since, 4)
+        return now
+
     with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
                                                  "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
                         inputs={"trace": trace_path}) as w:
         # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
+        t = t0
         run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
+        t = lap("fit_idf", t)
         run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
                           seed=seed, split=split, trace=trace, figures=figures)
+        t = lap("select_layers", t)
         run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
                     seed=seed, tau=tau, split=split, trace=trace, figures=figures)
+        t = lap("cluster", t)
         for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
             mf = w.path / sub / "manifest.json"
             mf.write_text(mf.read_text().replace(str(w.path), str(out)))
@@ -154,5 +175,6 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
                           "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
                           "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
                           "objective": rt["objective"],
-                          "fit_s": round(time.perf_counter() - t0, 4)})
+                          "fit_s": round(time.perf_counter() - t0, 4), "phase_s": phase_s})
+        lap("finish_manifests", t)
     return out

@@ -15,14 +15,17 @@ seeded hash of its id (streaming, so not stratified).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
+from eldr_cli.pipeline.oic_parse import fast_parse as _fast_parse
 
 CHUNK_FILES = 256
 
@@ -68,107 +71,26 @@ def iter_trace_files(root: Path, skipped: list[tuple[Path, str]] | None = None):
             continue
         seen.add((st.st_dev, st.st_ino))
         try:
-            entries = sorted(os.scandir(d), key=lambda e: e.name)
+            entries = sorted(os.scandir(d), key=lambda entry: entry.name)
         except OSError as e:
             if (p := skip(d, f"unreadable folder ({e.strerror})")) is not None:
                 yield p
             continue
         dirs = []
-        for e in entries:
+        for entry in entries:
             try:
-                is_dir = e.is_dir()  # follows symbolic links
-                is_file = not is_dir and e.is_file()
+                is_dir = entry.is_dir()  # follows symbolic links
+                is_file = not is_dir and entry.is_file()
             except OSError:
                 is_dir = is_file = False
             if is_dir:
-                dirs.append(Path(e.path))
-            elif e.name.endswith(".json"):
+                dirs.append(Path(entry.path))
+            elif entry.name.endswith(".json"):
                 if is_file:
-                    yield Path(e.path)
-                elif (p := skip(Path(e.path), "broken symbolic link or not a file")) is not None:
+                    yield Path(entry.path)
+                elif (p := skip(Path(entry.path), "broken symbolic link or not a file")) is not None:
                     yield p
         stack.extend(reversed(dirs))
-
-
-_POW10 = (10 ** np.arange(10, dtype=np.int64)).astype(np.int32)
-_ALLOWED = np.zeros(256, dtype=bool)
-for _c in b"0123456789[]{},: \t\r\nnul\"":
-    _ALLOWED[_c] = True
-
-
-def _fast_parse(raw: bytes):
-    """Vectorised parse of the common case (digits, brackets, quoted integer keys, null); None if the
-    file uses anything else, then the JSON parser decides. Same result as the JSON path."""
-    b = np.frombuffer(raw, dtype=np.uint8)
-    if b.size < 2 or b[0] != 91:
-        return None
-    hist = np.bincount(b, minlength=256)
-    if hist[~_ALLOWED].any():
-        return None
-    isd = (b >= 48) & (b <= 57)
-    if isd[0] or isd[-1]:
-        return None
-    pos = np.flatnonzero(isd)
-    if pos.size == 0:
-        return None
-    brk = np.flatnonzero(np.diff(pos) != 1)
-    starts = pos[np.concatenate(([0], brk + 1))]
-    ends = pos[np.concatenate((brk, [pos.size - 1]))] + 1
-    lens = ends - starts
-    if lens.max() > 9:
-        return None
-    place = np.repeat(ends, lens) - pos - 1
-    dig = b[pos].astype(np.int32)
-    dig -= 48
-    dig *= _POW10[place]
-    vals = np.add.reduceat(dig, np.concatenate(([0], np.cumsum(lens)[:-1]))).astype(np.int64)
-    # strings may only be quoted integer keys: "<digits>"
-    is_key = b[starts - 1] == 34
-    if int(hist[34]) != 2 * int(is_key.sum()) or not (b[ends[is_key]] == 34).all():
-        return None
-    brace_pos = np.flatnonzero(b == 123)
-    elem = np.searchsorted(brace_pos, starts, side="right") - 1
-    ridx = np.where(is_key, np.arange(starts.size), -1)
-    last_key = np.maximum.accumulate(ridx)
-    val = ~is_key
-    if (last_key[val] < 0).any():
-        return None
-    v_layer = vals[last_key[val]]
-    v_elem = elem[val]
-    v = vals[val]
-    v_start = starts[val]
-    if v.size == 0:
-        return None
-    n0 = int(np.searchsorted(v_elem, 1))  # values of element 0 come first
-    layers = vals[np.flatnonzero(np.bincount(last_key[val][:n0]))]
-    layers = np.unique(layers)
-    if layers.size == 0:
-        return None
-    # k = ids in the first per-token list
-    first_close = raw.find(b"]", int(v_start[0]))
-    k = int(np.searchsorted(v_start, first_close))
-    n_elem = int(brace_pos.size)
-    L = layers.size
-    lut = np.full(int(layers[-1]) + 1, -1, dtype=np.int64)
-    lut[layers] = np.arange(L)
-    if int(v_layer.max()) > int(layers[-1]):
-        return None
-    lrank = lut[v_layer]
-    if (lrank < 0).any():
-        return None  # a layer present in decode but not in prefill: let the JSON path explain
-    counts = np.bincount(v_elem * L + lrank, minlength=n_elem * L).reshape(n_elem, L)
-    T, rem = divmod(int(counts[0, 0]), k)
-    if rem or T == 0 or (counts[0] != T * k).any() or (n_elem > 1 and (counts[1:] != k).any()):
-        return None
-    # key order inside an element may differ from sorted order: stable sort by (element, layer)
-    order = np.argsort(v_elem * L + lrank, kind="stable")
-    v = v[order]
-    E = int(v.max()) + 1
-    pre = v[:L * T * k].reshape(L, T * k)
-    flat = pre + (np.arange(L) * E)[:, None]
-    prefill = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E).astype(np.int32)
-    picks = np.sort(v[L * T * k:].reshape(n_elem - 1, L, k), axis=-1).astype(np.int16)
-    return tuple(int(x) for x in layers), prefill, picks, T, E
 
 
 def parse_trace_file(path: str):
@@ -261,13 +183,53 @@ def _is_eval(request_id: str, seed: int, fraction: float) -> bool:
 def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None = None, seed: int = 0,
                  eval_fraction: float = 0.2, workers: int = 1, chunk_files: int = CHUNK_FILES,
                  progress: bool = True, log=None) -> ImportResult:
-    from eldr_cli.artifacts.store import MANIFEST
-    from eldr_cli.capture.assemble import assemble_trace
     from eldr_cli.capture.staging import Staging
+    from eldr_cli.pipeline.capture import _progress
 
     log = log or (lambda m: None)
-    root = Path(root)
-    out = Path(out)
+    root, out = Path(root), Path(out)
+    files = _check_inputs(root, out, eval_fraction)
+    staging = Staging(out, {"import": str(root.resolve())})
+    staging.start_fresh()
+    t0 = time.perf_counter()
+    pool = None
+    try:
+        if workers > 1:
+            import multiprocessing as mp
+
+            pool = mp.get_context("spawn").Pool(workers)
+            results: Iterator[tuple] = pool.imap(_parse_safe, (str(p) for p in files), chunksize=32)
+        else:
+            results = (_parse_safe(str(p)) for p in files)
+        acc = _Accumulator(root, top_k, seed, eval_fraction, log)
+        buf: list = []
+        chunk = 0
+        with _progress(progress) as bar:
+            task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
+            for path, parsed, err in results:
+                row = acc.add(Path(path), parsed, err)
+                if row is not None:
+                    buf.append(row)
+                if len(buf) >= chunk_files:
+                    _flush(staging, chunk, buf)
+                    chunk, buf = chunk + 1, []
+                bar.update(task, advance=1, reqs=acc.n_files, toks=0, busy_s=time.perf_counter() - t0)
+            if buf:
+                _flush(staging, chunk, buf)
+        return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
+                         wall=time.perf_counter() - t0)
+    except BaseException:
+        staging.remove()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _check_inputs(root: Path, out: Path, eval_fraction: float) -> Iterator[Path]:
+    """Refuse bad arguments before any work; -> the trace files (at least one)."""
+    from eldr_cli.artifacts.store import MANIFEST
+
     if not root.is_dir():
         raise EldrError(f"--from-trace {root} is not a directory",
                         hint="point it at <org>/<model> (or below) of an Orders-in-Chaos trace tree")
@@ -279,104 +241,80 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     first = next(files, None)
     if first is None:
         raise EldrError(f"no *.json trace files below {root}")
+    return itertools.chain([first], files)
 
-    def all_files():
-        yield first
-        yield from files
 
-    staging = Staging(out, {"import": str(root.resolve())})
-    staging.start_fresh()
-    t0 = time.perf_counter()
-    pool = None
-    try:
-        if workers > 1:
-            import multiprocessing as mp
+class _Accumulator:
+    """Checks each parsed file against the ones before it (one model, same MoE layers and k) and
+    turns it into a staging row; counts and names the files that could not be parsed."""
 
-            pool = mp.get_context("spawn").Pool(workers)
-            results = pool.imap(_parse_safe, (str(p) for p in all_files()), chunksize=32)
-        else:
-            results = (_parse_safe(str(p)) for p in all_files())
-        layer_ids = None
-        model_key = None
-        k_seen = None
-        E_max = 0
-        n_files = n_bad = 0
-        bad_examples: list[str] = []
-        buf: list = []
-        chunk = 0
-        from eldr_cli.pipeline.capture import _progress
+    def __init__(self, root: Path, top_k: int | None, seed: int, eval_fraction: float, log):
+        self.root, self.top_k, self.seed, self.eval_fraction, self.log = root, top_k, seed, eval_fraction, log
+        self.layer_ids: tuple | None = None
+        self.model_key: str | None = None
+        self.k_seen: int | None = None
+        self.E_max = 0
+        self.n_files = self.n_bad = 0
+        self.bad_examples: list[str] = []
 
-        with _progress(progress) as bar:
-            task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
-            for path, parsed, err in results:
-                n_files += 1
-                p = Path(path)
-                if err is not None:
-                    n_bad += 1
-                    if len(bad_examples) < 5:
-                        bad_examples.append(f"{p}: {err}")
-                    log(f"[yellow]warning:[/] skipping {p}: {err}")
-                    continue
-                layers, prefill, picks, T, E = parsed
-                mk, bench, subject, rid = _labels(root, p)
-                if model_key is None:
-                    model_key = mk
-                elif mk != model_key:
-                    raise EldrError(f"{root} holds traces of several models ({model_key!r} and {mk!r})",
-                                    hint="point --from-trace at one model's directory (<org>/<model>)")
-                if layer_ids is None:
-                    layer_ids, k_seen = layers, picks.shape[2] if picks.size else None
-                    if k_seen is None:
-                        k_seen = top_k
-                elif layers != layer_ids:
-                    raise EldrError(f"{p}: MoE layers {list(layers)[:6]}... differ from the first file's "
-                                    f"{list(layer_ids)[:6]}...: files of different models mixed?")
-                k_file = picks.shape[2]
-                if k_seen is None:
-                    k_seen = k_file
-                if k_file != k_seen:
-                    raise EldrError(f"{p}: {k_file} experts per token, other files have {k_seen}")
-                E_max = max(E_max, E)
-                buf.append((prefill, picks, T, {"request_id": rid, "domain": subject, "language": "und",
-                                                "prompt_tokens": T, "decode_tokens": picks.shape[0],
-                                                "source": bench, "split": "evaluation"
-                                                if _is_eval(rid, seed, eval_fraction) else "calibration",
-                                                "prompt": ""}))
-                if len(buf) >= chunk_files:
-                    _flush(staging, chunk, buf)
-                    chunk += 1
-                    buf = []
-                dt = time.perf_counter() - t0
-                bar.update(task, advance=1, reqs=n_files, toks=0, busy_s=dt)
-            if buf:
-                _flush(staging, chunk, buf)
-        if layer_ids is None:
-            raise EldrError(f"none of the {n_files} trace files below {root} could be read",
-                            hint="; ".join(bad_examples[:3]))
-        k = top_k or k_seen
-        if top_k is not None and k_seen is not None and top_k != k_seen:
-            raise EldrError(f"--top-k {top_k} disagrees with the traces ({k_seen} experts per token)")
-        if num_experts is not None:
-            if num_experts < E_max:
-                raise EldrError(f"--num-experts {num_experts} is smaller than the largest expert id + 1 ({E_max})")
-            E_max = num_experts
-        wall = time.perf_counter() - t0
-        model = {"model": model_key or root.name, "family": "imported", "num_layers": len(layer_ids),
-                 "num_experts": E_max, "top_k": k, "moe_layer_ids": list(layer_ids)}
-        params = {"source_format": "orders-in-chaos", "from_trace": str(root), "seed": seed,
-                  "eval_fraction": eval_fraction, "num_experts_inferred": num_experts is None,
-                  "split_method": "seeded hash of request id"}
-        metrics = {"n_files": n_files, "n_skipped_files": n_bad, "import_wall_s": round(wall, 3),
-                   "files_per_s": round(n_files / wall, 1) if wall > 0 else None}
-        written = assemble_trace(staging, out, model=model, params=params,
-                                 inputs={"source_tree": root} if n_files <= 2000 else None, metrics=metrics)
-        return ImportResult(out, written)
-    except BaseException:
-        staging.remove()
-        raise
-    finally:
-        if pool is not None:
-            pool.terminate()
+    def add(self, p: Path, parsed, err: str | None):
+        self.n_files += 1
+        if err is not None:
+            self.n_bad += 1
+            if len(self.bad_examples) < 5:
+                self.bad_examples.append(f"{p}: {err}")
+            self.log(f"[yellow]warning:[/] skipping {p}: {err}")
+            return None
+        layers, prefill, picks, T, E = parsed
+        mk, bench, subject, rid = _labels(self.root, p)
+        if self.model_key is None:
+            self.model_key = mk
+        elif mk != self.model_key:
+            raise EldrError(f"{self.root} holds traces of several models ({self.model_key!r} and {mk!r})",
+                            hint="point --from-trace at one model's directory (<org>/<model>)")
+        if self.layer_ids is None:
+            self.layer_ids = layers
+            self.k_seen = picks.shape[2] if picks.size else self.top_k
+        elif layers != self.layer_ids:
+            raise EldrError(f"{p}: MoE layers {list(layers)[:6]}... differ from the first file's "
+                            f"{list(self.layer_ids)[:6]}...: files of different models mixed?")
+        k_file = picks.shape[2]
+        if self.k_seen is None:
+            self.k_seen = k_file
+        if k_file != self.k_seen:
+            raise EldrError(f"{p}: {k_file} experts per token, other files have {self.k_seen}")
+        self.E_max = max(self.E_max, E)
+        split = "evaluation" if _is_eval(rid, self.seed, self.eval_fraction) else "calibration"
+        return (prefill, picks, T, {"request_id": rid, "domain": subject, "language": "und", "prompt_tokens": T,
+                                    "decode_tokens": picks.shape[0], "source": bench, "split": split, "prompt": ""})
+
+
+def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: int | None, top_k: int | None,
+              seed: int, eval_fraction: float, wall: float) -> ImportResult:
+    """The staged chunks -> the trace artifact, with the model facts the files agreed on."""
+    from eldr_cli.capture.assemble import assemble_trace
+
+    if acc.layer_ids is None:
+        raise EldrError(f"none of the {acc.n_files} trace files below {root} could be read",
+                        hint="; ".join(acc.bad_examples[:3]))
+    k = top_k or acc.k_seen
+    if top_k is not None and acc.k_seen is not None and top_k != acc.k_seen:
+        raise EldrError(f"--top-k {top_k} disagrees with the traces ({acc.k_seen} experts per token)")
+    E_max = acc.E_max
+    if num_experts is not None:
+        if num_experts < E_max:
+            raise EldrError(f"--num-experts {num_experts} is smaller than the largest expert id + 1 ({E_max})")
+        E_max = num_experts
+    model = {"model": acc.model_key or root.name, "family": "imported", "num_layers": len(acc.layer_ids),
+             "num_experts": E_max, "top_k": k, "moe_layer_ids": list(acc.layer_ids)}
+    params = {"source_format": "orders-in-chaos", "from_trace": str(root), "seed": seed,
+              "eval_fraction": eval_fraction, "num_experts_inferred": num_experts is None,
+              "split_method": "seeded hash of request id"}
+    metrics = {"n_files": acc.n_files, "n_skipped_files": acc.n_bad, "import_wall_s": round(wall, 3),
+               "files_per_s": round(acc.n_files / wall, 1) if wall > 0 else None}
+    written = assemble_trace(staging, out, model=model, params=params,
+                             inputs={"source_tree": root} if acc.n_files <= 2000 else None, metrics=metrics)
+    return ImportResult(out, written)
 
 
 def _flush(staging, chunk: int, buf: list) -> None:

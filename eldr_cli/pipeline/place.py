@@ -183,7 +183,7 @@ def _plot_rank_loads(path, per, contiguous, eplb_p2l, R) -> None:
     from eldr_cli import plots
     from eldr_cli.stages.placement import ranks_of
 
-    plt = plots._plt()
+    plt = plots.plt()
     a = per.activation_
     data, names = [], []
     for name, p2l in (("contiguous", contiguous), ("global EPLB", eplb_p2l), ("per-decoder", per.physical_to_logical_)):
@@ -201,4 +201,4 @@ def _plot_rank_loads(path, per, contiguous, eplb_p2l, R) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel("heaviest rank / mean rank\n(expected activation)")
     ax.set_title(f"Expected EP-rank balance per (decoder, layer), R={R}")
-    plots._save(fig, path)
+    plots.save(fig, path)

@@ -73,7 +73,7 @@ class LayerSelector:
             self.rho_by_transform_[name] = float(spearman_to_target(d, t)[0])
         if self.transform == "auto":
             servable = {k: v for k, v in self.rho_by_transform_.items() if k in SERVABLE_TRANSFORMS}
-            self.transform_ = max(servable, key=servable.get)
+            self.transform_ = max(servable, key=lambda n: servable[n])
         else:
             self.transform_ = self.transform
         self.order_, self.cumulative_rho_ = self._greedy(PairLayerCache(xs[self.transform_], self.pairs_), t)

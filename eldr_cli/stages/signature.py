@@ -66,10 +66,26 @@ def sample_pairs(n: int, n_pairs: int, seed: int = 0) -> np.ndarray:
 
 
 def _rank(x: np.ndarray) -> np.ndarray:
-    """Average ranks along the last axis (ties share their mean rank), like scipy.stats.rankdata."""
-    from scipy.stats import rankdata
+    """Average ranks along the last axis (ties share their mean rank), as scipy.stats.rankdata.
 
-    return rankdata(x, axis=-1)
+    In numpy: importing scipy.stats alone costs about a second of every `eldr fit`.
+    """
+    x = np.asarray(x)
+    order = np.argsort(x, axis=-1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=-1)
+    n = x.shape[-1]
+    new_group = np.ones(xs.shape, dtype=bool)
+    new_group[..., 1:] = xs[..., 1:] != xs[..., :-1]
+    flat = new_group.reshape(-1, n)
+    out = np.empty(flat.shape, dtype=np.float64)
+    for row, g in enumerate(flat):  # one row for the target ranking; rows are independent
+        starts = np.flatnonzero(g)
+        sizes = np.diff(np.append(starts, n))
+        avg = starts + (sizes - 1) / 2.0 + 1.0
+        out[row] = np.repeat(avg, sizes)
+    ranks = np.empty(flat.shape, dtype=np.float64)
+    np.put_along_axis(ranks, order.reshape(-1, n), out, axis=-1)
+    return ranks.reshape(x.shape)
 
 
 def _sorted_keys(d: np.ndarray, resolution: str):
@@ -155,7 +171,7 @@ def _grouped_pair_dots(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [P]])
     res = np.empty((L, P), dtype=np.float64)
-    for a, b in zip(starts, ends):
+    for a, b in zip(starts, ends, strict=True):
         res[:, a:b] = np.matmul(x[pj[a:b]].transpose(1, 0, 2), x[pi[a], :, :, None])[..., 0]
     out[:, order] = res
     return out
