@@ -59,9 +59,9 @@ def _weights_hash(out: Path) -> str:
     return hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
 
 
-def train_tiny_moe(out, *, steps: int = 300, seed: int = 0, num_layers: int = 4, num_experts: int = 16,
+def train_tiny_moe(out, *, steps: int = 70, seed: int = 0, num_layers: int = 4, num_experts: int = 16,
                    top_k: int = 2, hidden_size: int = 128, head_dim: int = 32, vocab_size: int = 2048,
-                   seq_len: int = 128, batch_size: int = 8, lr: float = 3e-3, aux_coef: float = 0.01,
+                   seq_len: int = 128, batch_size: int = 32, lr: float = 3e-3, aux_coef: float = 0.01,
                    threads: int = 2, prompt_files: list[Path] | None = None, log=None) -> Path:
     """Train (or reuse) a tiny qwen3_moe checkpoint in ``out``; returns ``out``. See module docstring."""
     for name, v in (("steps", steps), ("layers", num_layers), ("experts", num_experts), ("top_k", top_k),
@@ -174,7 +174,8 @@ def _train(tmp: Path, rows, train_rows, config: dict, key: str, threads: int, lo
     train_log = {"loss": losses, "aux_loss": aux_losses, "tokens_seen": tokens, "wall_s": round(wall, 2),
                  "tokens_per_s": round(tokens / wall, 1), "threads": threads,
                  "load_avg_1m": round(os.getloadavg()[0], 2),
-                 "expert_load_entropy_bits": entropy, "max_entropy_bits": round(float(np.log2(config["num_experts"])), 4),
+                 "expert_load_entropy_bits": entropy,
+                 "max_entropy_bits": round(float(np.log2(config["num_experts"])), 4),
                  "n_training_prompts": len(train_rows), "n_heldout_prompts": len(split["heldout"]),
                  "training_tokens_available": len(ids)}
     (tmp / "train_log.json").write_text(json.dumps(train_log, indent=1) + "\n")
