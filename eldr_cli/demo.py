@@ -10,7 +10,8 @@
 5. start an EMULATED 4P8D cluster (`eldr emulate`) and the proxy (`eldr serve-proxy`);
 6. sweep round-robin, JSQ, P2C, Domain and ELDR over the same workers (`eldr bench sweep`),
    plus the same configuration in the simulator (`eldr bench simulate`);
-7. `eldr report` when it is available; print the figure paths and the measured effect. Every process started here is stopped on exit, Ctrl-C or error.
+7. `eldr report` when it is available; print the figure paths and the measured effect.
+   Every process started here is stopped on exit, Ctrl-C or error.
 
 Latencies come from the measured cost model, not from a real engine: they are labelled EMULATED /
 SIMULATED everywhere. Steps whose artifacts already exist are reused (delete --out to start afresh).
@@ -89,7 +90,7 @@ class Procs:
         return p
 
     def stop_all(self) -> None:
-        for name, p in reversed(self.procs):
+        for _name, p in reversed(self.procs):
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGTERM)
@@ -148,7 +149,7 @@ def _effect(out: Path) -> list[str]:
         act = ""
         lbs = {k: v for k, v in active.items() if k in ("round-robin", "random", "jsq", "p2c")}
         if "eldr" in active and lbs:
-            best = min(lbs, key=lbs.get)
+            best = min(lbs, key=lambda k: lbs[k])
             act = (f"; active experts/step {active['eldr']:.1f} vs {lbs[best]:.1f} ({best}, "
                    f"{100 * (active['eldr'] - lbs[best]) / lbs[best]:+.1f}%)")
         if "oracle" in active:

@@ -37,7 +37,7 @@ def split_of(prompt_id: str) -> str:
 
 
 def load_rows(files: list[Path]) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     for f in files:
         if not Path(f).is_file():
             continue
