@@ -104,6 +104,11 @@ $(ART)/trace/manifest.json: $(MODEL)/config.json | venv
 	$(ELDR) capture --model $(MODEL) --prompts $(PROMPTS) --sample $(CAPTURE_SAMPLE) --seed $(SEED) \
 	  --max-new-tokens $(MAX_NEW_TOKENS) --out $(ART)/trace
 
+.PHONY: model-trained
+TRAIN_STEPS ?= 70
+model-trained: venv  ## train the tiny qwen3_moe on the shipped prompts' training split (CPU, cached)
+	$(ELDR) model tiny --train --steps $(TRAIN_STEPS) --out $(ART)/tiny-moe-trained-$(TRAIN_STEPS)
+
 bench-capture: venv  ## hook overhead (mid-size random MoE), peak RSS, Orders-in-Chaos import rate
 	$(BIN)/python benchmarks/bench_capture.py --out bench-results/capture.json
 
@@ -127,8 +132,8 @@ bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2,
 	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
 
 # -- demo -----------------------------------------------------------------------------------
-demo: venv
-	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo
+demo: venv  ## trained tiny model (cached) -> capture -> fit -> cost model -> emulated + simulated sweeps
+	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo $(DEMO_ARGS)
 
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 6 routers), its TPOT report, load-generator lag, emulator agreement

@@ -70,8 +70,12 @@ def render_messages(messages, tokenizer) -> str:
 
 
 def load_prompts(path, *, tokenizer=None, limit: int | None = None, sample: int | None = None, seed: int = 0,
-                 eval_fraction: float = 0.0) -> list[PromptRow]:
-    """Read, select and split prompts. Raises EldrError for missing/empty/malformed files."""
+                 eval_fraction: float = 0.0, exclude_ids: set[str] | None = None) -> list[PromptRow]:
+    """Read, select and split prompts. Raises EldrError for missing/empty/malformed files.
+
+    ``exclude_ids``: prompt ids dropped before ``limit``/``sample`` (a trained model's training
+    prompts, so calibration and serving never see text the model was trained on).
+    """
     path = Path(path)
     if not path.exists():
         raise EldrError(f"prompts file {path} does not exist")
@@ -88,6 +92,11 @@ def load_prompts(path, *, tokenizer=None, limit: int | None = None, sample: int 
     if "prompt" not in cols and "messages" not in cols:
         raise EldrError(f"prompts file {path} has no 'prompt' or 'messages' column (columns: {sorted(cols)})",
                         hint="name the prompt text column 'prompt', or give chat turns as 'messages'")
+    if exclude_ids:
+        rows = [r for r in rows if r.get("id") is None or str(r["id"]) not in exclude_ids]
+        if not rows:
+            raise EldrError(f"every prompt in {path} is in the model's training split",
+                            hint="use other prompts, or --include-training")
     if limit is not None:
         if limit < 1:
             raise EldrError(f"--limit must be >= 1, got {limit}")

@@ -34,6 +34,9 @@ def capture_cmd(
                                                                 "(default: largest id seen + 1)."),
     top_k: int = typer.Option(None, "--top-k", min=1, help="--from-trace: experts per token (default: from the data)."),
     workers: int = typer.Option(1, "--workers", min=1, help="--from-trace: parser processes."),
+    exclude_training: bool = typer.Option(None, "--exclude-training/--include-training",
+                                          help="Drop the model's training prompts (its split.json); default: on "
+                                               "when the model directory has split.json."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
     force: bool = force_option(),
 ) -> None:
@@ -67,7 +70,7 @@ def capture_cmd(
             res = run_capture(model, prompts, out, backend=backend, max_new_tokens=max_new_tokens,
                               batch_size=batch_size, chunk_size=chunk_size, limit=limit, sample=sample, seed=seed,
                               eval_fraction=eval_fraction, resume=resume, device=device, dtype=dtype,
-                              gate_sums=gate_sums, progress=progress, log=log)
+                              gate_sums=gate_sums, progress=progress, log=log, exclude_training=exclude_training)
     except KeyboardInterrupt:
         from eldr_cli.capture.staging import staging_dir
 

@@ -1,4 +1,4 @@
-"""`eldr model tiny`: build a small random-weight MoE checkpoint to run the real path on a CPU."""
+"""`eldr model tiny`: build a small MoE checkpoint (random weights, or trained with --train) for CPU runs."""
 
 from __future__ import annotations
 
@@ -23,9 +23,29 @@ def tiny_cmd(
     prompts: Path = typer.Option(None, "--prompts", help="JSONL/CSV/Parquet prompts to train the tokenizer "
                                                          "on (default: shared task.jsonl sample)."),
     seed: int = typer.Option(0, "--seed"),
+    train: bool = typer.Option(False, "--train", help="Train a qwen3_moe on the training split of the shipped "
+                                                      "task+language prompts (CPU, a few minutes; cached)."),
+    steps: int = typer.Option(70, "--steps", help="--train: optimizer steps."),
+    top_k_train: int = typer.Option(2, "--train-top-k", help="--train: experts per token."),
 ) -> None:
-    """Write a deterministic random-weight MoE checkpoint + locally trained tokenizer (no network)."""
+    """Write a deterministic MoE checkpoint + locally trained tokenizer (no network); random or trained weights."""
     from eldr_cli.console import console
+
+    if train:
+        import json
+
+        from eldr_cli.models.train import train_tiny_moe
+
+        files = [prompts] if prompts is not None else None
+        path = train_tiny_moe(out, steps=steps, seed=seed, num_layers=layers, num_experts=experts,
+                              top_k=top_k_train, hidden_size=hidden, head_dim=head_dim, vocab_size=vocab,
+                              prompt_files=files, log=lambda m: console.print(m, highlight=False))
+        log = json.loads((path / "train_log.json").read_text())
+        console.print(f"[green]trained tiny qwen3_moe[/] -> {path}: {layers} layers, {experts} experts, "
+                      f"top-{top_k_train}, hidden {hidden}; final loss {log['loss'][-1]:.3f}, "
+                      f"{log['tokens_seen']} tokens in {log['wall_s']:.0f}s "
+                      f"(load avg {log['load_avg_1m']}); split.json, train_log.json, loss.png")
+        return
     from eldr_cli.models.tiny import build_tiny_moe
 
     texts = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +70,12 @@ def _chunk_arrays(caps: list[RequestCapture], E: int, with_gate: bool) -> dict[s
 def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_tokens: int = 128,
                 batch_size: int = 8, chunk_size: int = 64, limit: int | None = None, sample: int | None = None,
                 seed: int = 0, eval_fraction: float = 0.2, resume: bool = False, device: str = "cpu",
-                dtype: str = "auto", gate_sums: bool = True, progress: bool = True, log=None) -> CaptureResult:
+                dtype: str = "auto", gate_sums: bool = True, progress: bool = True, log=None,
+                exclude_training: bool | None = None) -> CaptureResult:
     """Capture expert picks of ``prompts`` on ``model`` into the trace artifact ``out``.
 
+    ``exclude_training`` (default: on when the model directory has a ``split.json``, as
+    ``eldr model tiny --train`` writes) drops the model's training prompts before sampling.
     Bad input raises EldrError before anything is written. An interrupted run leaves its flushed
     chunks in the staging directory for ``resume=True``.
     """
@@ -85,8 +89,11 @@ def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_t
         raise EldrError("--batch-size and --chunk-size must be >= 1")
     model_dir = check_checkpoint(model)
     _check_out(out)
+    excluded = training_ids(model_dir) if exclude_training is not False else None
+    if exclude_training and excluded is None:
+        raise EldrError(f"{model_dir} has no split.json, so there are no training prompts to exclude")
     rows = load_prompts(prompts, tokenizer=_load_tokenizer(model_dir), limit=limit, sample=sample, seed=seed,
-                        eval_fraction=eval_fraction)
+                        eval_fraction=eval_fraction, exclude_ids=excluded)
     fp_model = model_fingerprint(model_dir)
     fingerprint = {"model_fingerprint": fp_model, "prompts_selection": selection_hash(rows),
                    "max_new_tokens": max_new_tokens, "chunk_size": chunk_size, "backend": backend, "dtype": dtype,
@@ -115,7 +122,8 @@ def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_t
     params = {"model": str(model_dir), "family": be.family, "backend": backend,
               "model_fingerprint": fp_model, "prompts_file": str(prompts),
               "prompts_selection": fingerprint["prompts_selection"], "max_new_tokens": max_new_tokens,
-              "limit": limit, "sample": sample, "seed": seed, "eval_fraction": eval_fraction,
+              "limit": limit, "sample": sample,
+              "excluded_training_prompts": bool(excluded), "seed": seed, "eval_fraction": eval_fraction,
               "batch_size": batch_size, "chunk_size": chunk_size, "dtype": dtype, "device": device,
               "decode_steps_convention": "decode step s feeds generated token s; EOS ignored"}
     model_facts = {"model": str(model_dir), "num_layers": be.num_layers, "num_experts": be.num_experts,
@@ -140,6 +148,17 @@ def _check_out(out: Path) -> None:
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise EldrError(f"{out} exists and is not an eldr artifact; refusing to replace it",
                         hint="choose an empty or new --out directory")
+
+
+def training_ids(model_dir: Path) -> set[str] | None:
+    """The training prompt ids of a model trained by eldr (its ``split.json``), else None."""
+    f = Path(model_dir) / "split.json"
+    if not f.is_file():
+        return None
+    try:
+        return set(json.loads(f.read_text())["training"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise EldrError(f"{f}: not a valid split file (expected a 'training' list of prompt ids)") from None
 
 
 def _load_tokenizer(model_dir: Path):
