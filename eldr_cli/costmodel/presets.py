@@ -79,7 +79,7 @@ def model_config(spec: str | os.PathLike) -> tuple[str, dict]:
         if not isinstance(cfg, dict):
             raise EldrError(f"--model {p}: a config.json must be a JSON object")
         cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
-        return str((cfg.get("architectures") or [p.parent.name])[0]), cfg
+        return str((cfg.get("architectures") or [p.resolve().parent.name])[0]), cfg
     if str(spec).endswith(".json"):
         raise EldrError(f"--model {spec}: no such file")
     return _lookup(MODELS, str(spec), "model preset")
