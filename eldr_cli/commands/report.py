@@ -21,7 +21,7 @@ def report_cmd(
                                         "estimated decode saturation rate."),
     prefill: Optional[int] = typer.Option(None, "--prefill", min=1, help="Prefill workers (default 2)."),
     decode: Optional[int] = typer.Option(None, "--decode", min=1, help="Decode workers (default 4)."),
-    duration: float = typer.Option(60.0, "--duration", min=1.0, help="Simulated measured seconds per rate."),
+    duration: float = typer.Option(30.0, "--duration", min=1.0, help="Simulated measured seconds per rate."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
                                              help="Decode tokens per request (default: the trace's median steps)."),
     split: str = split_option("evaluation", help="Trace rows to serve (falls back to all when absent)."),
