@@ -21,6 +21,7 @@ import numpy as np
 from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule
 from eldr_cli.errors import EldrError
+from eldr_cli.stages.routing import POLICIES
 
 
 def _prefill_chooser(n_prefill: int):
@@ -72,12 +73,20 @@ def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
-                 signatures: dict | None = None, item_rows: np.ndarray | None = None) -> tuple[dict, dict, dict]:
+                 signatures: dict | None = None, item_rows: np.ndarray | None = None,
+                 oracle=None) -> tuple[dict, dict, dict]:
     """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
     each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
     from eldr_cli.stages.routing import make_policy
 
-    policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
+    if router == "oracle":
+        from eldr_cli.stages.oracle import OraclePolicy
+
+        if oracle is None:
+            raise EldrError("the oracle router needs the served rows' decode patterns (run_simulate builds them)")
+        policy = OraclePolicy(n_decode, oracle, tau=tau)
+    else:
+        policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
     n = len(schedule)
     if item_rows is not None:
         req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
@@ -131,7 +140,9 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
             prefill_done_t[rid] = t
             row = int(req_row[rid])
             sig = None
-            if policy.needs_signature:
+            if router == "oracle":
+                sig = oracle.signature(row)
+            elif policy.needs_signature:
                 sig = sigs.get(row)
                 if sig is None:
                     sig = sigs[row] = model.signature(replay.prefill_counts(row))
@@ -179,11 +190,11 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     from eldr_cli.bench.results import write_bench
     from eldr_cli.bench.workload import load_prompts
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.stages.routing import POLICIES, RoutingModel
+    from eldr_cli.stages.routing import RoutingModel
 
     for r in routers:
-        if r not in POLICIES:
-            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(POLICIES)}")
+        if r not in SIM_POLICIES:
+            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(SIM_POLICIES)}")
     if n_prefill < 1 or n_decode < 1 or max_tokens < 1:
         raise EldrError("--prefill, --decode and --max-tokens must be >= 1")
     cost = CostModel.load(cost_model)
@@ -198,6 +209,14 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         items, item_rows = load_prompts(prompts), None
     else:  # serve the trace's own rows; prompt text is optional
         items, item_rows = trace_items(replay, split)
+    oracle = None
+    if "oracle" in routers:
+        from eldr_cli.stages.oracle import OracleModel
+
+        served = item_rows if item_rows is not None else np.array([replay.match(it.prompt)[0] for it in items])
+        oracle = OracleModel(np.asarray(tr.decode_counts), served, n_decode, seed=seed,
+                             tau=tau if tau is not None else (model.tau if model is not None else 0.1),
+                             signature=model.signature if model is not None else None)
     t0 = time.perf_counter()
     runs, req_rows, step_frames, facts_all = [], [], [], {}
     sigs: dict = {}
@@ -207,7 +226,8 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         for router in routers:
             rows, steps, facts = simulate_run(replay, items, sched, router=router, n_prefill=n_prefill,
                                               n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau,
-                                              seed=seed, max_seqs=max_seqs, signatures=sigs, item_rows=item_rows)
+                                              seed=seed, max_seqs=max_seqs, signatures=sigs, item_rows=item_rows,
+                                              oracle=oracle)
             df = requests_frame_from_columns(rows, len(rows["router"]))
             meas = steps["measured_itls"]
             s = summarize(df, request_rate=rate, router=router, mode="simulated", burstiness=burstiness,
@@ -233,4 +253,30 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         "max_seqs": max_seqs, "split": split, "trace_model": tr.model.get("model"),
         "workload": "generated trace" if tr.model.get("model") == "synthetic" else "captured trace"},
         runs=runs, requests=pl.concat(req_rows), steps=pl.concat(step_frames), inputs=inputs, title=title,
-        n_layers=replay.n_layers, num_experts=replay.num_experts, extra={"simulate_wall_s": wall})
+        n_layers=replay.n_layers, num_experts=replay.num_experts,
+        extra={"simulate_wall_s": wall, "oracle_share": oracle_shares(runs)})
+
+
+LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+SIM_POLICIES = (*POLICIES, "oracle")
+
+
+def oracle_shares(runs: list[dict]) -> list[dict]:
+    """Per rate and metric: the best load balancer, ELDR, the oracle, and the share (%) of the
+    balancer-to-oracle distance ELDR covers (None when a run or the gap is missing)."""
+    from eldr_cli.stages.oracle import oracle_share
+
+    out = []
+    for rate in sorted({r["request_rate"] for r in runs}):
+        at = {r["router"]: r for r in runs if r["request_rate"] == rate}
+        if "eldr" not in at or "oracle" not in at:
+            continue
+        row: dict = {"request_rate": rate}
+        for m in ("p50_tpot_ms", "p99_tpot_ms", "mean_active_experts_per_step"):
+            lbs = [at[b][m] for b in LOAD_BALANCERS if b in at and at[b].get(m) is not None]
+            e, o = at["eldr"].get(m), at["oracle"].get(m)
+            if not lbs or e is None or o is None:
+                continue
+            row[m] = {"best_lb": min(lbs), "eldr": e, "oracle": o, "share_pct": oracle_share(min(lbs), e, o)}
+        out.append(row)
+    return out
