@@ -1,7 +1,8 @@
 """make bench-report: `eldr report` end to end -- its verdict table and its wall time.
 
 1. A GENERATED trace in the public Orders-in-Chaos layout (3 subjects x 334 = 1,002 requests, L=48, E=128,
-   top-8, 64 decode steps; eldr_cli.capture.oic_fixtures), imported with `eldr capture --from-trace`, then
+   top-8, 64 decode steps; the fixture makes every other of its 96 layers MoE), imported with
+   `eldr capture --from-trace`, then
    `eldr report` with its defaults (fit, roofline cost model of the preset of that shape, rates near
    saturation) -- wall time of the report (target <= 60 s on 2 cores), with the 1-min load average.
 2. The trace of the trained tiny model when present (``--tiny-trace``, else artifacts/trace), same report
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     res: dict = {"runs": []}
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
-        write_oic_tree(d / "src", n_per_subject=334, num_layers=48, num_experts=128, top_k=8, decode_steps=64,
+        write_oic_tree(d / "src", n_per_subject=334, num_layers=96, num_experts=128, top_k=8, decode_steps=64,
                        prompt_tokens=(40, 200))
         src = next(p for p in (d / "src").glob("*/*") if p.is_dir())
         res["import_s"] = round(eldr("capture", "--from-trace", src, "--out", d / "t", "--no-progress"), 2)
