@@ -53,7 +53,8 @@ def test_report_html_has_every_figure_and_the_json_verdict(inputs, tmp_path):
     assert "SIMULATED" in html and "SIMULATED" in (out / "report.md").read_text()
     assert "src='http" not in html and "<link" not in html  # self-contained: opens from disk
     assert doc["simulated"]["cost_model"] in html
-    assert {r["router"] for r in doc["runs"]} >= {"round-robin", "jsq", "eldr"}
+    assert {r["router"] for r in doc["runs"]} >= {"round-robin", "jsq", "eldr", "oracle"}
+    assert v["oracle_share_pct"] is None or 0 <= v["oracle_share_pct"] <= 100
 
 
 def test_report_without_decode_picks_names_the_capture_flags(inputs, tmp_path):

@@ -127,8 +127,7 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
     from eldr_cli.artifacts.trace import read_trace
     from eldr_cli.costmodel import CostModel
     from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.pipeline.simulate import run_simulate
-    from eldr_cli.stages.routing import POLICIES
+    from eldr_cli.pipeline.simulate import SIM_POLICIES, run_simulate
 
     step = progress or (lambda name: None)
     out = Path(out)
@@ -180,7 +179,7 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
             sat = saturation_rate(cost, L, E, top_k, n_decode, max_tokens)
             rates = [round(sat * f, 3) for f in (0.25, 0.5, 0.75, 1.0)]
             notes.append(f"rates: 25-100% of the estimated decode saturation rate ({sat:.2f} req/s)")
-        names = routers or [r for r in ("round-robin", "random", "jsq", "p2c", "eldr", "oracle") if r in POLICIES]
+        names = routers or [r for r in ("round-robin", "random", "jsq", "p2c", "eldr", "oracle") if r in SIM_POLICIES]
         sim = work / "simulate"
         run_simulate(sim, trace=trace, cost_model=cost_model, split=split_used, routers=names, rates=list(rates),
                      n_prefill=n_prefill, n_decode=n_decode, duration_s=duration_s, warmup_s=warmup_s,
