@@ -82,7 +82,8 @@ def main(argv=None) -> int:
         t.add_column(c)
     for r in res["runs"]:
         v = r["verdict"]
-        t.add_row(r["workload"][:28], *[("n/a" if v[k] is None else f"{v[k]:+.1f}") for k in KEYS[:3]],
+        label = "tiny model" if "tiny" in r["workload"] else "generated"
+        t.add_row(label, *[("n/a" if v[k] is None else f"{v[k]:+.1f}") for k in KEYS[:3]],
                   "n/a" if v[KEYS[3]] is None else f"{v[KEYS[3]]:.0f}", f"{r['report_wall_s']:.1f}",
                   f"{r['load_avg_1min_at_start']:.1f}")
     Console(width=80).print(t)
