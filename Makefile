@@ -135,6 +135,20 @@ bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2,
 demo: venv  ## trained tiny model (cached) -> capture -> fit -> cost model -> emulated + simulated sweeps
 	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo $(DEMO_ARGS)
 
+# -- report: import/capture -> fit -> cost model -> report (TRACE = a trace artifact or an Orders-in-Chaos
+#    <org>/<model> directory; COST_MODEL optional, default: the roofline of the preset of the trace's shape)
+REPORT_DECODE ?= 4
+.PHONY: report bench-report
+report: venv  ## eldr report on TRACE (default: the captured trace); an Orders-in-Chaos dir is imported first
+	@if [ -f "$(TRACE)/manifest.json" ]; then t="$(TRACE)"; else t=$(ART)/report-trace; \
+	  $(ELDR) capture --from-trace "$(TRACE)" --out $$t --no-progress || exit $$?; fi; \
+	$(ELDR) fit --trace $$t --decoders $(REPORT_DECODE) --out $(ART)/report-fit && \
+	$(ELDR) report --trace $$t --fit $(ART)/report-fit --decode $(REPORT_DECODE) \
+		$(if $(COST_MODEL),--cost-model $(COST_MODEL)) --out $(ART)/report
+
+bench-report: venv  ## eldr report end to end: verdict table + wall time (generated public-layout trace; tiny model's trace when present)
+	$(BIN)/python benchmarks/bench_report.py --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
+
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 6 routers), its TPOT report, load-generator lag, emulator agreement
 	$(BIN)/python benchmarks/bench_sim.py --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))

@@ -23,7 +23,7 @@ app = typer.Typer(
 )
 
 # one module per subcommand (or group); each defines register(app)
-COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture"]
+COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture", "report"]
 
 INTERRUPTED = 130
 

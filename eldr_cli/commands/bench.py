@@ -1,4 +1,4 @@
-"""`eldr bench serve | sweep | simulate | moe-layer`: load generation against real or emulated endpoints,
+"""`eldr bench serve | sweep | simulate | moe-layer | cost-model`: load generation against real or emulated endpoints,
 the discrete-event simulator, and the MoE-layer cost model of this machine."""
 
 from __future__ import annotations
@@ -199,6 +199,40 @@ def moe_layer_cmd(
                   f"{c['e']:.3f} + {c['d']:.4f}*tokens ms; fit R^2 {m['fit_r2']:.3f}, median |rel err| "
                   f"{100 * m['fit_median_abs_rel_error']:.1f}%")
     console.print(f"-> {out} (fig2_moe_layer.png, moe_timings.parquet)")
+
+
+@bench_app.command("cost-model")
+def cost_model_cmd(
+    model: str = typer.Option(..., "--model", help="A Hugging Face config.json (or its directory) or a preset: "
+                              "Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-120B, Mixtral-8x7B, DeepSeek-V3, Llama-4-Maverick."),
+    device: Optional[str] = typer.Option(None, "--device", help="H100-SXM, H200, MI300X, A100-80GB, L40S, B200."),
+    hbm_tbps: Optional[float] = typer.Option(None, "--hbm-tbps", help="HBM bandwidth (TB/s); overrides the device's."),
+    tflops: Optional[float] = typer.Option(None, "--tflops", help="Peak dense BF16 TFLOP/s; overrides the device's."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: bf16, fp8, mxfp4."),
+    tp: int = typer.Option(1, "--tp", min=1), ep: int = typer.Option(1, "--ep", min=1),
+    context: int = typer.Option(2048, "--context", min=0, help="Context length (tokens) of the KV term."),
+    out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
+    force: bool = FORCE,
+) -> None:
+    """A GPU decode-step cost model from first principles (roofline, not measured), calibrated once on the
+    paper's Fig. 2 (MI300X + Qwen3-30B-A3B: 16 -> 128 active experts = 4.7x)."""
+    from eldr_cli.artifacts.guard import check_output
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+    from eldr_cli.costmodel.roofline import build, run_cost_model
+
+    build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, dtype=dtype, tp=tp, ep=ep)  # validate first
+    check_output(out, "cost-model", force=force or None)
+    with replacing(out, force):
+        run_cost_model(out, model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, dtype=dtype, tp=tp, ep=ep,
+                       context=context)
+    a = Artifact(out)
+    p, m, c = a.params, a.metrics, a.params["coefficients_ms"]
+    console.print(f"cost model (ROOFLINE, not measured): {p['model']} on {p['device']} {p['dtype']} TP{tp} EP{ep}; "
+                  f"per MoE layer {c['a']:.4f} + {c['b']:.4f}*active + {c['c']:.5f}*requests ms "
+                  f"(KV at {context} tokens); step at batch 1 {m['step_ms_batch1']:.2f} ms; "
+                  f"Fig. 2 ratio {m['fig2_ratio_128_vs_16_batch64']:.2f}x")
+    console.print(f"-> {out}")
 
 
 @bench_app.command("show")

@@ -21,6 +21,7 @@ import numpy as np
 from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule
 from eldr_cli.errors import EldrError
+from eldr_cli.stages.routing import POLICIES
 
 
 def _prefill_chooser(n_prefill: int):
@@ -41,18 +42,59 @@ def check_compatible(replay: TraceReplay, model) -> None:
                         hint="fit the routing artifact on a trace of the same model")
 
 
+def trace_items(replay: TraceReplay, split: str | None) -> tuple[list[PromptItem], np.ndarray]:
+    """The rows of ``split`` as requests: (items, trace row of each item). A row without prompt text
+    (imported traces carry none) is keyed by its row id, so PrefixHash prefill still spreads them."""
+    tr = replay.trace
+    rows = np.flatnonzero(tr.split_mask(split))
+    cols = tr.requests.columns
+    texts = tr.column("prompt") if "prompt" in cols else [None] * tr.n_requests
+    doms = tr.column("domain") if "domain" in cols else [None] * tr.n_requests
+    ids = tr.column("request_id") if "request_id" in cols else np.arange(tr.n_requests)
+    items = [PromptItem(str(texts[r]) if texts[r] else f"trace-row:{ids[r]}",
+                        str(doms[r]) if doms[r] is not None else None, str(ids[r])) for r in rows]
+    return items, rows.astype(np.int64)
+
+
+def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
+    """A roofline cost model describes one model: refuse it for a trace of another (L or E differ)."""
+    from eldr_cli.artifacts.store import Artifact
+
+    p = Artifact(cost_model).params
+    if p.get("source") != "roofline":
+        return  # a measured layer cost model is model-agnostic per layer and per expert
+    L, E = p.get("n_layers"), p.get("num_experts")
+    if (L, E) != (replay.n_layers, replay.num_experts):
+        raise EldrError(f"the cost model {cost_model} is of {p.get('model')} (L={L}, E={E}) but the trace has "
+                        f"L={replay.n_layers}, E={replay.num_experts}",
+                        hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ...")
+
+
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
-                 signatures: dict | None = None) -> tuple[dict, dict, dict]:
-    """One (router, rate) run. Returns (request columns, step log, facts)."""
+                 signatures: dict | None = None, item_rows: np.ndarray | None = None,
+                 oracle=None) -> tuple[dict, dict, dict]:
+    """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
+    each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
     from eldr_cli.stages.routing import make_policy
 
-    policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
+    if router == "oracle":
+        from eldr_cli.stages.oracle import OraclePolicy
+
+        if oracle is None:
+            raise EldrError("the oracle router needs the served rows' decode patterns (run_simulate builds them)")
+        policy = OraclePolicy(n_decode, oracle, tau=tau)
+    else:
+        policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
     n = len(schedule)
-    rows_match = [replay.match(prompts[i].prompt) for i in schedule.prompt_index]
-    req_row = np.array([r for r, _ in rows_match], dtype=np.int64)
-    matched = np.array([m for _, m in rows_match], dtype=bool)
+    if item_rows is not None:
+        req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
+        matched = np.ones(n, dtype=bool)
+    else:
+        rows_match = [replay.match(prompts[i].prompt) for i in schedule.prompt_index]
+        req_row = np.array([r for r, _ in rows_match], dtype=np.int64)
+        matched = np.array([m for _, m in rows_match], dtype=bool)
     measured = ~schedule.warmup
     from eldr_cli.simulator.core import DecodePool
 
@@ -98,7 +140,9 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
             prefill_done_t[rid] = t
             row = int(req_row[rid])
             sig = None
-            if policy.needs_signature:
+            if router == "oracle":
+                sig = oracle.signature(row)
+            elif policy.needs_signature:
                 sig = sigs.get(row)
                 if sig is None:
                     sig = sigs[row] = model.signature(replay.prefill_counts(row))
@@ -125,7 +169,9 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
         "outcome": np.where(ok, "ok", "incomplete").tolist(), "error": None,
         "warmup": np.asarray(schedule.warmup, dtype=bool), "decode_worker": dec.req_worker.astype(np.int64),
     }
-    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum())}
+    # decode steps past a row's captured ones replay its steps again from the first (wrap)
+    wrapped = int((replay.steps[req_row] < max_tokens).sum())
+    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped}
     if hasattr(policy, "unlabelled"):
         facts["unlabelled_domain"] = int(policy.unlabelled)
     return cols, dec.step_log(), facts
@@ -144,11 +190,11 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     from eldr_cli.bench.results import write_bench
     from eldr_cli.bench.workload import load_prompts
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.stages.routing import POLICIES, RoutingModel
+    from eldr_cli.stages.routing import RoutingModel
 
     for r in routers:
-        if r not in POLICIES:
-            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(POLICIES)}")
+        if r not in SIM_POLICIES:
+            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(SIM_POLICIES)}")
     if n_prefill < 1 or n_decode < 1 or max_tokens < 1:
         raise EldrError("--prefill, --decode and --max-tokens must be >= 1")
     cost = CostModel.load(cost_model)
@@ -156,9 +202,21 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     replay = TraceReplay(tr, cost)
     model = RoutingModel.load(routing) if routing is not None else None
     check_compatible(replay, model)
+    check_cost_model(replay, cost_model)
     if model is None and any(r in ("eldr", "domain") for r in routers):
         raise EldrError("the eldr and domain routers need --routing (a routing or fit artifact)")
-    items = load_prompts(prompts if prompts is not None else trace, split=None if prompts is not None else split)
+    if prompts is not None:
+        items, item_rows = load_prompts(prompts), None
+    else:  # serve the trace's own rows; prompt text is optional
+        items, item_rows = trace_items(replay, split)
+    oracle = None
+    if "oracle" in routers:
+        from eldr_cli.stages.oracle import OracleModel
+
+        served = item_rows if item_rows is not None else np.array([replay.match(it.prompt)[0] for it in items])
+        oracle = OracleModel(np.asarray(tr.decode_counts), served, n_decode, seed=seed,
+                             tau=tau if tau is not None else (model.tau if model is not None else 0.1),
+                             signature=model.signature if model is not None else None)
     t0 = time.perf_counter()
     runs, req_rows, step_frames, facts_all = [], [], [], {}
     sigs: dict = {}
@@ -168,7 +226,8 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         for router in routers:
             rows, steps, facts = simulate_run(replay, items, sched, router=router, n_prefill=n_prefill,
                                               n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau,
-                                              seed=seed, max_seqs=max_seqs, signatures=sigs)
+                                              seed=seed, max_seqs=max_seqs, signatures=sigs, item_rows=item_rows,
+                                              oracle=oracle)
             df = requests_frame_from_columns(rows, len(rows["router"]))
             meas = steps["measured_itls"]
             s = summarize(df, request_rate=rate, router=router, mode="simulated", burstiness=burstiness,
@@ -194,4 +253,30 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         "max_seqs": max_seqs, "split": split, "trace_model": tr.model.get("model"),
         "workload": "generated trace" if tr.model.get("model") == "synthetic" else "captured trace"},
         runs=runs, requests=pl.concat(req_rows), steps=pl.concat(step_frames), inputs=inputs, title=title,
-        n_layers=replay.n_layers, num_experts=replay.num_experts, extra={"simulate_wall_s": wall})
+        n_layers=replay.n_layers, num_experts=replay.num_experts,
+        extra={"simulate_wall_s": wall, "oracle_share": oracle_shares(runs)})
+
+
+LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+SIM_POLICIES = (*POLICIES, "oracle")
+
+
+def oracle_shares(runs: list[dict]) -> list[dict]:
+    """Per rate and metric: the best load balancer, ELDR, the oracle, and the share (%) of the
+    balancer-to-oracle distance ELDR covers (None when a run or the gap is missing)."""
+    from eldr_cli.stages.oracle import oracle_share
+
+    out = []
+    for rate in sorted({r["request_rate"] for r in runs}):
+        at = {r["router"]: r for r in runs if r["request_rate"] == rate}
+        if "eldr" not in at or "oracle" not in at:
+            continue
+        row: dict = {"request_rate": rate}
+        for m in ("p50_tpot_ms", "p99_tpot_ms", "mean_active_experts_per_step"):
+            lbs = [at[b][m] for b in LOAD_BALANCERS if b in at and at[b].get(m) is not None]
+            e, o = at["eldr"].get(m), at["oracle"].get(m)
+            if not lbs or e is None or o is None:
+                continue
+            row[m] = {"best_lb": min(lbs), "eldr": e, "oracle": o, "share_pct": oracle_share(min(lbs), e, o)}
+        out.append(row)
+    return out

@@ -1,0 +1,82 @@
+"""The oracle decode router: the physical limit of decode routing on a trace (replay and simulation only).
+
+It knows what no router can know at admission: each request's *decode* expert pattern. Balanced
+clusters (K = decode workers) are fitted on the decode counts of the very rows being served, and
+requests are routed by the same locality-band rule as ELDR (``stages.routing.locality_band``) on
+that pattern. ELDR, which sees only the prefill pattern, can at best match it; every comparison
+shows how much of the distance from the best load balancer to the oracle ELDR covers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from eldr_cli.stages.routing import BandDecision, Policy, jsq, locality_band
+
+
+def decode_patterns(decode_counts: np.ndarray) -> np.ndarray:
+    """[R, L, E] decode counts -> unit rows [R, L*E] (sqrt-damped, like the servable signatures)."""
+    x = np.sqrt(np.asarray(decode_counts, dtype=np.float64).reshape(decode_counts.shape[0], -1))
+    n = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.divide(x, n, out=np.zeros_like(x), where=n > 0)
+
+
+class OracleModel:
+    """Balanced clusters on the served rows' decode patterns; ``signature(row)`` is that row's pattern."""
+
+    def __init__(self, decode_counts: np.ndarray, rows: np.ndarray, n_workers: int, *, tau: float = 0.1,
+                 seed: int = 0, signature=None):
+        """``signature``: counts [L, E] -> unit vector; ELDR's own signature function (layers, transform)
+        when a routing model is at hand, so the oracle differs from ELDR only in *seeing decode*."""
+        from eldr_cli.stages.cluster import BalancedKMeans
+
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if signature is None:
+            vecs = decode_patterns(np.asarray(decode_counts[rows]))
+        else:
+            vecs = np.stack([np.asarray(signature(np.asarray(decode_counts[r])), dtype=np.float64) for r in rows])
+        self.patterns = {int(r): v for r, v in zip(rows, vecs, strict=True)}
+        X = np.stack([self.patterns[int(r)] for r in rows])
+        k = min(n_workers, X.shape[0])
+        km = BalancedKMeans(k, seed=seed).fit(X)
+        cents = np.asarray(km.centroids_, dtype=np.float64)
+        if k < n_workers:  # fewer served rows than workers: the spare workers get no cluster
+            cents = np.vstack([cents, np.zeros((n_workers - k, cents.shape[1]))])
+        self.centroids = np.ascontiguousarray(cents)
+        self.tau = float(tau)
+
+    def signature(self, row: int) -> np.ndarray:
+        return self.patterns[int(row)]
+
+
+class OraclePolicy(Policy):
+    """The band rule on the request's own decode pattern (JSQ when it has none)."""
+
+    name = "oracle"
+    needs_signature = True
+
+    def __init__(self, n_workers: int, oracle: OracleModel, tau: float | None = None):
+        self.oracle = oracle
+        self.tau = oracle.tau if tau is None else float(tau)
+        self.last: BandDecision | None = None
+
+    def choose(self, loads, signature=None, domain=None, healthy=None) -> int:
+        # replay and simulation only: every worker is healthy there
+        return self.pick(loads, signature, domain)
+
+    def pick(self, loads, signature=None, domain=None) -> int:
+        if signature is None or not math.isfinite(float(np.abs(signature).sum())) or not signature.any():
+            self.last = None
+            return jsq(loads)
+        self.last = locality_band(signature, self.oracle.centroids, loads, self.tau)
+        return self.last.worker
+
+
+def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
+    """Share (%) of the best-load-balancer-to-oracle distance ELDR covers (None when there is none)."""
+    gap = lb - oracle
+    if not all(map(math.isfinite, (lb, eldr, oracle))) or gap <= 1e-12:
+        return None
+    return 100.0 * (lb - eldr) / gap
