@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -27,8 +28,18 @@ from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, device_facts, model_config
 from eldr_cli.errors import EldrError
 
-CALIBRATION = {"device": "MI300X", "model": "Qwen3-30B-A3B", "batch": 64, "active": (16, 128), "ratio": 4.7,
-               "source": "ELDR paper Fig. 2 (one MoE layer, one MI300X)"}
+
+class Calibration(TypedDict):
+    device: str
+    model: str
+    batch: int
+    active: tuple[int, int]
+    ratio: float
+    source: str
+
+
+CALIBRATION: Calibration = {"device": "MI300X", "model": "Qwen3-30B-A3B", "batch": 64, "active": (16, 128),
+                            "ratio": 4.7, "source": "ELDR paper Fig. 2 (one MoE layer, one MI300X)"}
 # Achieved fraction of peak HBM bandwidth for large streaming weight reads: an assumption (typical of
 # measured decode kernels), not fitted, because Fig. 2 gives a ratio and a ratio pins one constant.
 BANDWIDTH_EFFICIENCY = 0.75
@@ -51,7 +62,8 @@ class ModelFacts:
 
 def model_facts(cfg: dict) -> ModelFacts:
     """Normalise a Hugging Face config (Qwen-MoE, Mixtral, GPT-OSS, DeepSeek-V3, Llama-4 layouts)."""
-    g = cfg.get
+    def g(key: str) -> Any:
+        return cfg.get(key)
     E = g("num_experts") or g("num_local_experts") or g("n_routed_experts") or 0
     k = g("num_experts_per_tok") or g("moe_topk") or 0
     if not E or not k or E < 2:

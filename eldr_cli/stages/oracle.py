@@ -62,10 +62,6 @@ class OraclePolicy(Policy):
         self.tau = oracle.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def choose(self, loads, signature=None, domain=None, healthy=None) -> int:
-        # replay and simulation only: every worker is healthy there
-        return self.pick(loads, signature, domain)
-
     def pick(self, loads, signature=None, domain=None) -> int:
         if signature is None or not math.isfinite(float(np.abs(signature).sum())) or not signature.any():
             self.last = None
