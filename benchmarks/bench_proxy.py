@@ -66,7 +66,7 @@ def bench_decision(n: int = 20000) -> dict:
     choose_ns, handoff_ns, batch_medians = [], [], []
     pc = time.perf_counter_ns
     batches = 5
-    for b in range(batches):  # batches: a quiet batch shows the cost without other tenants' noise
+    for _ in range(batches):  # batches: a quiet batch shows the cost without other tenants' noise
         part = []
         for i in range(n // batches):
             s = sigs[i % 256]

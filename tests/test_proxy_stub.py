@@ -83,7 +83,7 @@ def test_eldr_decision_is_the_shared_band_decision(cluster, routing3):
     cluster.app.decision_log.flush()
     rows = [json.loads(x) for x in open(cluster.cfg.decision_log)]
     assert len(rows) == len(PROMPTS)
-    for row, p in zip(rows, PROMPTS):
+    for row, p in zip(rows, PROMPTS, strict=True):
         sims = np.asarray(row["similarities"])
         np.testing.assert_allclose(sims, model.centroids @ model.signature(fake_counts(p)), rtol=1e-9)
         assert row["chosen"] in row["band"] and row["loads"] == [0, 0, 0] and row["signature"] == "ok"

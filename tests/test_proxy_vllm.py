@@ -75,7 +75,7 @@ def vllm_pd(tiny_moe_dir, tmp_path_factory):
             procs.append(_start_vllm(tiny_moe_dir, port, role, tmp / f"kv-{name}", tmp / f"{name}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 420
-        for p, u, (_, name) in zip(procs, urls, roles):
+        for p, u, (_, name) in zip(procs, urls, roles, strict=True):
             while True:
                 if p.poll() is not None:
                     pytest.fail(f"vLLM {name} exited: {(tmp / f'{name}.log').read_text()[-3000:]}")

@@ -204,7 +204,8 @@ def moe_layer_cmd(
 @bench_app.command("cost-model")
 def cost_model_cmd(
     model: str = typer.Option(..., "--model", help="A Hugging Face config.json (or its directory) or a preset: "
-                              "Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-120B, Mixtral-8x7B, DeepSeek-V3, Llama-4-Maverick."),
+                              "Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-120B, Mixtral-8x7B, DeepSeek-V3, "
+                              "Llama-4-Maverick."),
     device: Optional[str] = typer.Option(None, "--device", help="H100-SXM, H200, MI300X, A100-80GB, L40S, B200."),
     hbm_tbps: Optional[float] = typer.Option(None, "--hbm-tbps", help="HBM bandwidth (TB/s); overrides the device's."),
     tflops: Optional[float] = typer.Option(None, "--tflops", help="Peak dense BF16 TFLOP/s; overrides the device's."),

@@ -47,6 +47,7 @@ def place_cmd(
                         hint="eldr place-experts --trace T --routing D --ep-size R --out P")
     from eldr_cli.pipeline.place import run_place_experts
 
+    assert trace is not None and routing is not None and ep_size is not None  # checked just above
     with replacing(out, force):
         run_place_experts(trace, routing, out, ep_size=ep_size, batch_size=batch_size,
                           redundant_experts=redundant_experts, decoders=decoders, figures=figures)

@@ -71,7 +71,8 @@ def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict |
 
     coeff = {"a": model.a_ms, "b": model.b_ms, "c": model.c_ms, "e": model.e_ms, "d": model.d_ms}
     with ArtifactWriter(out, kind=KIND, params={
-        "kind": "moe-step", "formula": "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)",
+        "kind": "moe-step",
+        "formula": "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)",
         "coefficients_ms": coeff, "source": model.source, "device": model.device, **(params or {})}) as w:
         for name, df in (tables or {}).items():
             w.write_table(name, df)

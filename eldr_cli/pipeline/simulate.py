@@ -77,14 +77,14 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
                  oracle=None) -> tuple[dict, dict, dict]:
     """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
     each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
-    from eldr_cli.stages.routing import make_policy
+    from eldr_cli.stages.routing import Policy, make_policy
 
     if router == "oracle":
         from eldr_cli.stages.oracle import OraclePolicy
 
         if oracle is None:
             raise EldrError("the oracle router needs the served rows' decode patterns (run_simulate builds them)")
-        policy = OraclePolicy(n_decode, oracle, tau=tau)
+        policy: Policy = OraclePolicy(n_decode, oracle, tau=tau)
     else:
         policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
     n = len(schedule)
@@ -218,7 +218,7 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
                              tau=tau if tau is not None else (model.tau if model is not None else 0.1),
                              signature=model.signature if model is not None else None)
     t0 = time.perf_counter()
-    runs, req_rows, step_frames, facts_all = [], [], [], {}
+    runs, req_rows, step_frames = [], [], []
     sigs: dict = {}
     for rate in rates:
         sched = build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness,

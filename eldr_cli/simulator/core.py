@@ -116,6 +116,15 @@ def admit(d, rid, t, masks, offsets, steps, empty, req_row, req_ntok, req_meas, 
 class DecodePool:
     """State of D simulated decode workers for one run of n requests."""
 
+    # the step log, grown by _alloc_log (one entry per decode step of any worker)
+    log_dec: np.ndarray
+    log_t: np.ndarray
+    log_batch: np.ndarray
+    log_active: np.ndarray
+    log_ms: np.ndarray
+    log_meas: np.ndarray
+    log_n: np.ndarray
+
     def __init__(self, replay, n_workers: int, req_row: np.ndarray, req_max: np.ndarray, req_meas: np.ndarray,
                  max_seqs: int = 256, log_capacity: int = 1 << 16):
         n = len(req_row)
@@ -148,7 +157,7 @@ class DecodePool:
     def _alloc_log(self, cap: int, old=None):
         names = ("log_dec", "log_t", "log_batch", "log_active", "log_ms", "log_meas")
         dts = (np.int32, np.float64, np.int32, np.int32, np.float64, np.int32)
-        for nm, dt in zip(names, dts):
+        for nm, dt in zip(names, dts, strict=True):
             a = np.zeros(cap, dtype=dt)
             if old is not None:
                 a[: old] = getattr(self, nm)[: old]

@@ -156,6 +156,7 @@ class BalancedKMeans:
             if converged or prev_obj - obj <= self.tol * max(1.0, abs(obj)):
                 break
             prev_obj = obj
+        assert labels is not None  # max_iter >= 1: the loop assigned at least once
         cost = 1.0 - (X @ C.T.astype(X.dtype)).astype(np.float64)
         self.labels_ = labels
         self.centroids_ = C
