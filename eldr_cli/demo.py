@@ -284,7 +284,7 @@ def main(argv=None) -> int:
         except ImportError:  # REPORT CALL SITE: eldr report (issue 10) is not on this branch yet
             missing.append("`eldr report` (eldr_cli.pipeline.report) is not available: no report written")
         else:
-            run_report(trace, out / "report", fit=fit, cost_model=cost)
+            run_report(trace, out / "report", fit=fit, cost_model=cost, prefill=a.prefill, decode=a.decode)
         print(f"\ndemo finished in {time.time() - t_start:.0f} s. Figures:")
         for f in sorted([*out.glob("*/*.png")]):
             print(f"  {f}")

@@ -119,6 +119,13 @@ def _figures(*dirs: Path | None) -> list[Path]:
     return out
 
 
+def _fit_decoders(fit) -> int:
+    """K (decode workers) of a fit or routing artifact."""
+    from eldr_cli.stages.routing import RoutingModel
+
+    return int(RoutingModel.load(fit).n_clusters)
+
+
 def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=None, decode=None,
                routers=None, duration_s: float = 30.0, warmup_s: float = 5.0, max_tokens: int | None = None,
                split: str = "evaluation", seed: int = 0, progress=None) -> dict:
@@ -142,7 +149,7 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
     R, L, E = tr.prefill_counts.shape
     top_k = int(tr.model.get("top_k") or 1)
     n_prefill = prefill or 2
-    n_decode = decode or 4
+    n_decode = decode or (_fit_decoders(fit) if fit is not None else 4)  # a given fit fixes K
     steps = np.diff(np.asarray(tr.decode_offsets, dtype=np.int64))
     max_tokens = max_tokens or max(int(np.median(steps)), 1)
     split_used = split
