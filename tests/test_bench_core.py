@@ -269,3 +269,67 @@ def test_simulate_rejects_a_routing_artifact_of_another_model(tmp_path):
     rc = run(["bench", "simulate", "--trace", str(tmp_path / "b"), "--cost-model", str(tmp_path / "cost"),
               "--routing", str(tmp_path / "fit"), "--rates", "5,-1", "--out", str(tmp_path / "sim")])
     assert rc == 2
+
+
+@pytest.fixture(scope="module")
+def imported_trace(tmp_path_factory):
+    """An imported public-layout trace: no prompt text, 6 captured decode steps per row."""
+    from eldr_cli.capture.oic_fixtures import write_oic_tree
+
+    d = tmp_path_factory.mktemp("imp")
+    write_oic_tree(d / "src", n_per_subject=10, decode_steps=6)
+    assert run(["capture", "--from-trace", str(d / "src" / "acme" / "Tiny-MoE"), "--out", str(d / "t"),
+                "--no-progress"]) == 0
+    return d / "t"
+
+
+def test_rows_without_text_go_as_row_references(imported_trace, tmp_path):
+    """Imported rows become `trace-row:<request_id>` prompts; the replay resolves each to its own row (never
+    to the empty-text row 0), and sending them to a non-emulated endpoint is refused before any request."""
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.bench.workload import row_ref
+
+    tr = read_trace(imported_trace)
+    items = load_prompts(imported_trace, split="evaluation")
+    ev = np.flatnonzero(tr.split_mask("evaluation"))
+    assert [it.prompt for it in items] == [row_ref(i) for i in tr.column("request_id")[ev]]
+    rep = TraceReplay(tr, CostModel(a_ms=0.1, b_ms=0.01, c_ms=0.01))
+    assert [rep.match(it.prompt) for it in items] == [(int(r), True) for r in ev]
+    assert rep.match("")[1] is False and rep.rows_without_text == tr.n_requests
+    assert rep.wraps(int(ev[0]), 7) and not rep.wraps(int(ev[0]), 6)
+    rc = run(["bench", "serve", "--url", "http://127.0.0.1:9", "--prompts", str(imported_trace), "--rates", "5",
+              "--duration", "1", "--no-live", "--out", str(tmp_path / "b")])
+    assert rc == 2 and not (tmp_path / "b").exists()
+
+
+def test_roofline_decode_step_charges_kv_at_current_context(imported_trace, tmp_path):
+    """With a roofline cost model the emulated decode step reads each running request's KV at prompt +
+    generated tokens (Roofline.step_ms with those contexts); a measured model has no context term."""
+    import json as _json
+
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.costmodel.roofline import load_roofline, run_cost_model
+
+    cfg = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=2,
+               vocab_size=1000)
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    run_cost_model(tmp_path / "cm", tmp_path / "config.json", device="H100-SXM")
+    roof = load_roofline(tmp_path / "cm")
+    assert roof is not None and load_roofline(_measured(tmp_path)) is None
+    tr = read_trace(imported_trace)
+    rep = TraceReplay(tr, CostModel.load(tmp_path / "cm"), roofline=roof)
+    rows = np.arange(4)
+    early, a0 = rep.decode_step_ms(rows, np.zeros(4, dtype=np.int64))
+    late, a1 = rep.decode_step_ms(rows, np.full(4, 6000, dtype=np.int64))  # same captured step (6000 % 6 == 0)
+    assert a0 == a1
+    ctx0 = rep.prompt_tokens[rows]
+    assert early == pytest.approx(roof.step_ms(a0, ctx0)) and late == pytest.approx(roof.step_ms(a0, ctx0 + 6000))
+    assert late > early  # 24,000 more KV tokens read
+    flat = TraceReplay(tr, CostModel(a_ms=0.1, b_ms=0.01, c_ms=0.01))
+    assert flat.decode_step_ms(rows, np.zeros(4, dtype=np.int64)) == flat.decode_step_ms(rows, np.full(4, 6000))
+
+
+def _measured(tmp_path):
+    write_cost_model(tmp_path / "measured", CostModel(a_ms=0.1, b_ms=0.01, c_ms=0.01))
+    return tmp_path / "measured"

@@ -48,6 +48,7 @@ SCHEMA_VERSIONS: dict[str, int] = {
     "placement-eval": 1,
     "cost-model": 1,
     "bench": 1,
+    "replay": 1,
 }
 
 # The JSON Schemas ship inside the package (eldr_cli/schemas; in the repository a link to manifests/).

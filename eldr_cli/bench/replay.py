@@ -2,12 +2,22 @@
 each of its decode steps activate, and what a step costs.
 
 A request is matched to a trace row by its prompt text (exact, after stripping surrounding
-whitespace). **Fallback for unmatched prompts:** the row ``crc32(prompt) mod R`` -- deterministic, so
-the prefill signature and the replayed decode picks come from the same row (routing stays
-self-consistent) and the emulator and the simulator agree; unmatched requests are counted
+whitespace), or by a **row reference**: the prompt ``trace-row:<request_id>`` names the row whose
+``request_id`` it carries. Imported traces have no prompt text, so the bench client sends row references
+for them (``eldr_cli.bench.workload.row_ref``); the proxy forwards the prompt unchanged and its PrefixHash
+prefill choice keys on that string, as the simulator does.
+
+**Fallback for unmatched prompts:** the row ``crc32(prompt) mod R`` -- deterministic, so the prefill
+signature and the replayed decode picks come from the same row (routing stays self-consistent) and the
+emulator and the simulator agree; unmatched requests are counted
 (``/metrics`` ``eldr_emulator_unmatched_prompts_total``, simulator metric ``unmatched``).
 Decode steps beyond the captured ones wrap around (step ``j`` replays captured step
-``j mod decode_steps``): traces are usually capped (e.g. 128 steps) while benches ask for 512.
+``j mod decode_steps``): traces are usually capped (e.g. 128 steps) while benches ask for 512; the
+requests that wrap are counted (``wrapped_requests`` in the bench and simulator summaries).
+
+With a roofline cost model (``eldr bench cost-model``) a decode step charges every running request's KV
+cache at its current context (prompt tokens + tokens generated so far) through ``Roofline.step_ms``;
+a measured cost model has no KV term.
 
 Active experts are bit sets: bit ``l * E + e`` of a row of uint64 words says expert ``e`` fired at
 layer ``l``; the union over a batch is a bitwise OR and its popcount is the sum over layers of
@@ -21,6 +31,7 @@ import zlib
 import numpy as np
 
 from eldr_cli.artifacts.trace import Trace
+from eldr_cli.bench.workload import row_ref
 from eldr_cli.costmodel import CostModel
 from eldr_cli.errors import EldrError
 
@@ -54,12 +65,15 @@ def prompt_of(body: dict, chat: bool) -> str:
 class TraceReplay:
     """Per-row prefill expert sets, per-step decode expert sets and the cost of a step."""
 
-    def __init__(self, trace: Trace, cost: CostModel):
+    def __init__(self, trace: Trace, cost: CostModel, roofline=None):
+        """``roofline``: the :class:`~eldr_cli.costmodel.roofline.Roofline` behind ``cost`` when it is one
+        (``roofline.load_roofline``); decode steps then charge KV at each request's current context."""
         if trace.decode_picks is None or trace.decode_offsets is None:
             raise EldrError(f"trace {trace.path or ''} has no per-step decode picks, which replay needs",
                             hint="capture with per-step picks (the default) or `eldr synth-trace --picks`")
         self.trace = trace
         self.cost = cost
+        self.roofline = roofline
         R, L, E = trace.prefill_counts.shape
         self.n_layers, self.num_experts = L, E
         self.token_scale = cost.token_scale(trace.model.get("top_k"))
@@ -83,10 +97,18 @@ class TraceReplay:
         self.prefill_masks = _pack_bits((trace.prefill_counts > 0).reshape(R, L * E))  # [R, W]
         self.prompt_tokens = np.maximum(trace.prompt_tokens.astype(np.int64), 1)
         self.domains = trace.column("domain")
-        prompts = trace.column("prompt")
+        cols = trace.requests.columns
+        prompts = trace.column("prompt") if "prompt" in cols else [None] * R
+        ids = trace.column("request_id") if "request_id" in cols else np.arange(R)
         self._index: dict[str, int] = {}
+        self.rows_without_text = 0
         for r, p in enumerate(prompts):
-            self._index.setdefault(str(p).strip(), r)
+            if p is not None and str(p).strip():  # imported traces carry "" for every row
+                self._index.setdefault(str(p).strip(), r)
+            else:
+                self.rows_without_text += 1
+        for r, i in enumerate(ids):
+            self._index.setdefault(row_ref(i), r)
         self.words = self.decode_masks.shape[1]
         # rows with no decode steps: point them at an all-zero mask appended at the end
         self._empty = self.decode_masks.shape[0]
@@ -129,7 +151,14 @@ class TraceReplay:
 
     def decode_step_ms(self, rows, tokens_done) -> tuple[float, int]:
         a = self.decode_active(rows, tokens_done)
+        if self.roofline is not None:
+            ctx = self.prompt_tokens[np.asarray(rows, dtype=np.int64)] + np.asarray(tokens_done, dtype=np.int64)
+            return float(self.roofline.step_ms(a, ctx)), a
         return self.cost.step_ms(a, self.n_layers, len(rows), self.token_scale), a
+
+    def wraps(self, row: int, max_tokens: int) -> bool:
+        """Whether a request of ``max_tokens`` on ``row`` decodes past the row's captured steps."""
+        return int(self.steps[row]) < int(max_tokens)
 
     def prefill_step_ms(self, rows) -> tuple[float, int]:
         a = self.prefill_active(rows)

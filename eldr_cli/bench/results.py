@@ -173,6 +173,13 @@ def print_bench(path: str | os.PathLike, console=None, *, wide: bool = False) ->
                   + ", ".join(f"{r['router']}@{r['request_rate']:g}: {r['failed_by_outcome']}"
                               for r in summary["runs"] if r["failed"])
                   + "); latency percentiles cover the completed ones")
+    wrapped = sum(int(r.get("wrapped_requests") or 0) for r in summary["runs"])
+    if wrapped:
+        con.print(f"{wrapped} requests asked for more tokens than their trace row captured: their decode steps "
+                  "past the captured ones replay those again from the first (wrapped_requests per run)")
+    unmatched = sum(int(r.get("unmatched") or 0) for r in summary["runs"])
+    if unmatched:
+        con.print(f"[yellow]{unmatched} prompts matched no trace row[/] and replayed row crc32(prompt) mod R")
     figs = sorted(p.name for p in Path(path).glob("*.png"))
     con.print(f"[bold]{MODE_LABEL[mode]}[/] results -> {path}" + (f"  figures: {', '.join(figs)}" if figs else ""))
     return summary

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from eldr_cli.bench.client import ClientConfig, LiveStats, make_session, new_event_loop, probe, run_schedule
-from eldr_cli.bench.workload import PromptItem, build_schedule
+from eldr_cli.bench.workload import ROW_REF_PREFIX, PromptItem, build_schedule
 from eldr_cli.errors import EldrError
 
 
@@ -114,9 +114,12 @@ async def _switch_policy(session, url: str, router: str, tau: float | None, toke
 
 
 async def _fetch_steps(session, decode_urls: list[str], cursors: dict[str, int]) -> tuple[list[dict], dict]:
+    """New step-log rows of every decode worker since ``cursors``, and meta: the model's shape and the
+    workers' running totals (``unmatched_total``, ``wrapped_total``: summed over decode workers)."""
     import aiohttp
 
-    rows, meta = [], {}
+    rows: list[dict] = []
+    meta: dict[str, Any] = {"unmatched_total": 0, "wrapped_total": 0}
     for i, u in enumerate(decode_urls):
         try:
             async with session.get(u + "/eldr/steps", params={"since": str(cursors.get(u, 0))},
@@ -125,7 +128,9 @@ async def _fetch_steps(session, decode_urls: list[str], cursors: dict[str, int])
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise EldrError(f"cannot read the step log of emulated worker {u}: {e}") from None
         cursors[u] = d["next"]
-        meta = {"n_layers": d.get("n_layers"), "num_experts": d.get("num_experts")}
+        meta.update(n_layers=d.get("n_layers"), num_experts=d.get("num_experts"))
+        for k in ("unmatched_total", "wrapped_total"):
+            meta[k] += int(d.get(k) or 0)
         st = d["steps"]
         for j in range(len(st.get("t_s", []))):
             rows.append({"worker": i, **{k: st[k][j] for k in st}})
@@ -176,8 +181,10 @@ async def _bench(cfg: ClientConfig, items: list[PromptItem], plan: SweepPlan, mo
         model = await probe(session, cfg)
         meta["model"] = model
         cursors: dict[str, int] = {}
+        totals: dict[str, int] = {}
         if decode_urls:
             _, m = await _fetch_steps(session, decode_urls, cursors)  # skip steps from before this bench
+            totals = {k: m.pop(k) for k in ("unmatched_total", "wrapped_total")}
             meta.update(m)
         liveview = None
         if live:
@@ -207,13 +214,18 @@ async def _bench(cfg: ClientConfig, items: list[PromptItem], plan: SweepPlan, mo
                     df = requests_frame(recs)
                     extra = {}
                     if decode_urls:
-                        srows, _ = await _fetch_steps(session, decode_urls, cursors)
+                        srows, m = await _fetch_steps(session, decode_urls, cursors)
+                        # per run: the emulated decode workers' counters moved by this run's requests
+                        # (warm-up included, as the simulator counts them)
+                        extra = {"unmatched": m["unmatched_total"] - totals.get("unmatched_total", 0),
+                                 "wrapped_requests": m["wrapped_total"] - totals.get("wrapped_total", 0)}
+                        totals = {k: m[k] for k in ("unmatched_total", "wrapped_total")}
                         if srows:
                             sdf = pl.DataFrame(srows).with_columns(pl.lit(router).alias("router"),
                                                                     pl.lit(float(rate)).alias("request_rate"))
                             step_frames.append(sdf)
                             nl = meta.get("n_layers") or 1
-                            extra = {"mean_active_experts_per_step":
+                            extra |= {"mean_active_experts_per_step":
                                      float(np.mean(sdf["active_experts"].to_numpy()) / nl),
                                      "mean_decode_batch": float(np.mean(sdf["batch"].to_numpy())),
                                      "decode_steps": len(sdf),
@@ -259,7 +271,6 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     for name in routers or []:
         if name not in POLICIES:
             raise EldrError(f"unknown router {name!r}; expected one of {', '.join(POLICIES)}")
-    items = load_prompts(prompts, split=split)
     decode_urls = None
     cluster = None
     if cluster_file is not None:
@@ -269,6 +280,16 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     mode = mode or "real"
     if mode not in MODES or mode == "simulated":
         raise EldrError("--mode must be real or emulated (simulated results come from `eldr bench simulate`)")
+    if prompts is None:  # the emulated cluster's own trace rows, its split unless --split says otherwise
+        if cluster is None or not cluster.get("trace"):
+            raise EldrError("--prompts is required (or --cluster FILE of `eldr emulate`, whose trace rows are sent)")
+        prompts, split = cluster["trace"], split or cluster.get("split") or "all"
+    items = load_prompts(prompts, split=split)
+    refs = sum(it.prompt.startswith(ROW_REF_PREFIX) for it in items)
+    if refs and mode != "emulated":
+        raise EldrError(f"{refs} of the {len(items)} prompts of {prompts} are trace rows without text (sent as "
+                        f"{ROW_REF_PREFIX}<id>), which only an emulated cluster of that trace can answer",
+                        hint="pass --cluster FILE of `eldr emulate`, or prompts with text")
     cfg = ClientConfig(url=url, model=model, max_tokens=max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
                        domain_header=domain_header or bool(routers and "domain" in routers), api_key=api_key)
     plan = SweepPlan(rates=list(rates), duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness, seed=seed,
@@ -297,9 +318,9 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     params = {"url": url, "model": meta.get("model"), "rates": list(rates), "duration_s": duration_s,
               "warmup_s": warmup_s, "max_tokens": max_tokens, "burstiness": burstiness, "seed": seed,
               "timeout_s": timeout_s, "ignore_eos": ignore_eos, "domain_header": cfg.domain_header, "tau": tau,
-              "n_prompts": len(items), "split": split}
+              "n_prompts": len(items), "split": split, "row_references": refs}
     if cluster is not None:
-        params["cluster"] = {k: cluster.get(k) for k in ("prefill", "decode", "trace", "cost_model", "model")}
+        params["cluster"] = {k: cluster.get(k) for k in ("prefill", "decode", "trace", "cost_model", "model", "split")}
     inputs = {"prompts": prompts}
     steps_df = pl.concat(steps, how="diagonal_relaxed") if steps else None
     return write_bench(out, mode=mode, params=params, runs=runs, requests=pl.concat(frames), steps=steps_df,

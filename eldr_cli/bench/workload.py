@@ -15,6 +15,14 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 
+ROW_REF_PREFIX = "trace-row:"
+
+
+def row_ref(request_id) -> str:
+    """The prompt that stands for a trace row without text (imported traces): ``trace-row:<request_id>``.
+    The emulator replays that row; the simulator keys PrefixHash prefill routing on the same string."""
+    return f"{ROW_REF_PREFIX}{request_id}"
+
 
 @dataclass(frozen=True)
 class PromptItem:
@@ -25,7 +33,9 @@ class PromptItem:
 
 def load_prompts(path: str | Path, split: str | None = None, limit: int | None = None) -> list[PromptItem]:
     """Prompts from a .jsonl (one object per line with "prompt", optional "domain"/"id"), a .json list
-    of such objects or strings, or a trace artifact directory (its requests table; ``split`` filters)."""
+    of such objects or strings, or a trace artifact directory (its requests table; ``split`` filters;
+    a row without prompt text, as every row of an imported trace, becomes its row reference
+    :func:`row_ref`, which only an emulated cluster of that trace understands)."""
     p = Path(path)
     if not p.exists():
         raise EldrError(f"prompts file {p} does not exist")
@@ -37,9 +47,12 @@ def load_prompts(path: str | Path, split: str | None = None, limit: int | None =
         df = art.table("requests")
         if split and split != "all":
             df = df.filter(df["split"] == split)
-        for rid, dom, pr in zip(df["request_id"], df["domain"], df["prompt"], strict=True):
-            if pr:
-                items.append(PromptItem(str(pr), str(dom) if dom is not None else None, str(rid)))
+        n = df.height
+        texts = df["prompt"] if "prompt" in df.columns else [None] * n
+        doms = df["domain"] if "domain" in df.columns else [None] * n
+        for rid, dom, pr in zip(df["request_id"], doms, texts, strict=True):
+            text = str(pr) if pr is not None and str(pr).strip() else row_ref(rid)
+            items.append(PromptItem(text, str(dom) if dom is not None else None, str(rid)))
     else:
         text = p.read_text(encoding="utf-8", errors="replace")
         rows: list = []

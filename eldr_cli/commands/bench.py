@@ -1,5 +1,5 @@
-"""`eldr bench serve | sweep | simulate | moe-layer | cost-model`: load generation against real or emulated endpoints,
-the discrete-event simulator, and the MoE-layer cost model of this machine."""
+"""`eldr bench serve | sweep | simulate | replay | moe-layer | cost-model`: load generation against real or emulated
+endpoints, the discrete-event simulator, the trace replay of active experts, and the cost models."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ SEED = typer.Option(0, "--seed")
 TIMEOUT = typer.Option(600.0, "--timeout", callback=positive, help="Per-request timeout (s).")
 FORCE = force_option()
 WIDE = typer.Option(False, "--wide", help="Show every table column (the default fits 80 columns).")
-SPLIT = split_option(None, help="With a trace as --prompts: calibration|evaluation|all.")
+SPLIT = split_option(None, help="With a trace as --prompts: calibration|evaluation|all (default all; with "
+                                "--cluster and no --prompts: the split `eldr emulate` was given).")
 
 
 def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, domain_header,
@@ -37,7 +38,7 @@ def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, bursti
     from eldr_cli.console import console
     from eldr_cli.errors import EldrError
 
-    check_output(out, "bench", [prompts], force=force or None)  # before minutes of load
+    check_output(out, "bench", [p for p in (prompts,) if p], force=force or None)  # before minutes of load
     with replacing(out, force):
         run_bench(out, url=url, prompts=prompts, rates=parse_rates(rates), duration_s=duration, warmup_s=warmup,
                   max_tokens=max_tokens, burstiness=burstiness, seed=seed, timeout_s=timeout,
@@ -56,8 +57,10 @@ def _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, bursti
 @bench_app.command("serve")
 def serve_cmd(
     url: str = typer.Option(..., "--url", help="OpenAI-compatible base URL (the proxy or one vLLM server)."),
-    prompts: Path = typer.Option(..., "--prompts",
-                                 help="JSONL with {\"prompt\", \"domain\"} per line, or a trace artifact."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts",
+                                           help="JSONL with {\"prompt\", \"domain\"} per line, or a trace artifact "
+                                                "(rows without text go as trace-row:<id>; default with --cluster: "
+                                                "the emulated trace's split)."),
     out: Path = typer.Option(Path("artifacts/bench"), "--out"),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
@@ -83,7 +86,8 @@ def serve_cmd(
 @bench_app.command("sweep")
 def sweep_cmd(
     url: str = typer.Option(..., "--url", help="The eldr proxy's URL."),
-    prompts: Path = typer.Option(..., "--prompts"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="As for `bench serve` (default with --cluster: "
+                                                                    "the emulated trace's split)."),
     out: Path = typer.Option(Path("artifacts/bench-sweep"), "--out"),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
     tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0,
@@ -234,6 +238,43 @@ def cost_model_cmd(
                   f"(KV at {context} tokens); step at batch 1 {m['step_ms_batch1']:.2f} ms; "
                   f"Fig. 2 ratio {m['fig2_ratio_128_vs_16_batch64']:.2f}x")
     console.print(f"-> {out}")
+
+
+@bench_app.command("replay")
+def replay_cmd(
+    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks."),
+    routing: Path = typer.Option(..., "--routing", help="Routing (or fit) artifact; K = its decoders."),
+    out: Path = typer.Option(Path("artifacts/replay"), "--out"),
+    policies: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr,oracle", "--policies",
+                                 help="Routing policies; oracle = clusters on the served rows' own decode patterns."),
+    batch_sizes: str = typer.Option("1,4,16,64", "--batch-sizes", help="Decode batch sizes per decoder."),
+    split: str = split_option("evaluation", help="Rows to replay."),
+    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0),
+    seed: int = SEED,
+    force: bool = FORCE,
+) -> None:
+    """Distinct active experts per decode step by policy and batch size (Fig. 13), replaying the trace's own
+    decode picks closed-loop through each routing policy; no clock, no cost model. The oracle row is the
+    limit of decode routing on this trace; the table shows how much of the way to it ELDR goes."""
+    from eldr_cli.artifacts.guard import check_output
+    from eldr_cli.console import console
+    from eldr_cli.errors import EldrError
+    from eldr_cli.pipeline.replay import print_replay, run_replay, write_replay
+
+    names = [r.strip() for r in policies.split(",") if r.strip()]
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+    except ValueError:
+        raise EldrError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
+    if not names or not sizes:
+        raise EldrError("--policies and --batch-sizes must not be empty")
+    check_output(out, "replay", [trace, routing], force=force or None)
+    with console.status("replaying ...") as st, replacing(out, force):
+        res = run_replay(trace, routing=routing, policies=names, batch_sizes=sizes, split=split, tau=tau, seed=seed,
+                         progress=lambda p, b: st.update(f"replaying: {p} at batch {b}"))
+        write_replay(out, res, trace=trace, routing=routing, seed=seed)
+    print_replay(res)
+    console.print(f"REPLAY results -> {out} (replay.json, results.parquet, fig13_replay.png)")
 
 
 @bench_app.command("show")

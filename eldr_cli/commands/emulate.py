@@ -6,10 +6,14 @@ from pathlib import Path
 
 import typer
 
+from eldr_cli.commands._common import split_option
+
 
 def emulate_cmd(
-    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks (eldr capture)."),
-    cost_model: Path = typer.Option(..., "--cost-model", help="Cost-model artifact (eldr bench moe-layer)."),
+    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks (captured, "
+                               "imported or generated)."),
+    cost_model: Path = typer.Option(..., "--cost-model", help="Cost-model artifact (eldr bench moe-layer or "
+                                    "eldr bench cost-model)."),
     prefill: int = typer.Option(8, "--prefill", min=1, help="Prefill workers."),
     decode: int = typer.Option(16, "--decode", min=1, help="Decode workers."),
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -19,14 +23,21 @@ def emulate_cmd(
     model_name: str = typer.Option(None, "--model-name", help="Model id served (default: the trace's model)."),
     cluster_file: Path = typer.Option(None, "--cluster-file",
                                       help="Write the worker URLs as JSON here once listening (for bench/proxy)."),
+    split: str = split_option("evaluation", help="Rows a bench sends by default (`bench serve --cluster FILE` "
+                                                 "without --prompts); every row is answered."),
 ) -> None:
     """Run P prefill + D decode EMULATED workers until Ctrl-C. Step times come from the cost model applied
-    to the union of experts the running requests' replayed trace picks activate."""
+    to the union of experts the running requests' replayed trace picks activate. A request is a trace row,
+    named by its prompt text or, for rows without text (imported traces), by the prompt
+    `trace-row:<request_id>`, which `eldr bench serve` sends for such rows."""
     from eldr_cli.console import console
     from eldr_cli.emulator import serve_cluster
 
     def ready(info):
-        console.print(f"[bold]EMULATED[/] cluster {prefill}P{decode}D of {info['model']} (pid {info['pid']}):")
+        console.print(f"[bold]EMULATED[/] cluster {prefill}P{decode}D of {info['model']} (pid {info['pid']}), "
+                      f"{info['split_rows']} {split} rows" + (f", {info['rows_without_text']} rows without prompt "
+                                                              "text (sent as trace-row:<id>)"
+                                                              if info["rows_without_text"] else "") + ":")
         console.print("  prefill: " + " ".join(info["prefill"]))
         console.print("  decode:  " + " ".join(info["decode"]))
         console.print("  serve-proxy: eldr serve-proxy --routing FIT/routing "
@@ -39,7 +50,7 @@ def emulate_cmd(
     try:
         serve_cluster(trace=trace, cost_model=cost_model, n_prefill=prefill, n_decode=decode, host=host,
                       base_port=base_port, max_seqs=max_seqs, model_name=model_name, cluster_file=cluster_file,
-                      ready=ready)
+                      ready=ready, split=split)
     finally:
         _remove_own_cluster_file(cluster_file)
 

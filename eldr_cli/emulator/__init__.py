@@ -22,7 +22,13 @@ Protocol (vLLM NIXL-proxy style):
   the worker's continuous batch; a request without transferred KV is decoded the same way (the
   emulator does not charge a prompt recompute);
 - GET /health, /v1/models, /metrics (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``eldr_emulator_*``), /eldr/steps?since=N (the decode step log: batch, active experts, step ms).
+  ``eldr_emulator_*``), /eldr/steps?since=N (the decode step log: batch, active experts, step ms, and
+  the worker's running totals of requests, unmatched prompts and wrapped requests).
+
+A request is a trace row: its prompt text names it, or, for rows without text (imported traces), the
+prompt ``trace-row:<request_id>`` (see :mod:`eldr_cli.bench.replay`). Decode past a row's captured steps
+replays them again from the first and is counted (``wrapped``). With a roofline cost model a decode step
+charges each running request's KV at its current context (prompt + generated tokens).
 
 Modules: :mod:`~eldr_cli.emulator.workers` (prefill/decode timing), :mod:`~eldr_cli.emulator.app` (the
 HTTP endpoints of one worker), :mod:`~eldr_cli.emulator.cluster` (all workers on one loop, ``eldr emulate``).

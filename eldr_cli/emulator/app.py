@@ -79,6 +79,8 @@ class WorkerApp:
                  f'vllm:num_requests_waiting{{model_name="{w.model_name}"}} {waiting}',
                  f"eldr_emulator_requests_total {w.requests_total}",
                  f"eldr_emulator_unmatched_prompts_total {w.unmatched}"]
+        if isinstance(w, DecodeWorker):
+            lines.append(f"eldr_emulator_wrapped_requests_total {w.wrapped}")
         if isinstance(w, DecodeWorker) and w.steps:
             late = np.array([s[4] for s in w.steps[-2000:]])
             lines += [f"eldr_emulator_decode_steps_total {len(w.steps)}",
@@ -95,6 +97,8 @@ class WorkerApp:
         cols = {f: [r[i] for r in rows] for i, f in enumerate(STEP_FIELDS)}
         return web.json_response({"worker": w.index, "role": "decode", "since": since,
                                   "next": since + len(rows), "n_layers": w.replay.n_layers,
+                                  "requests_total": w.requests_total, "unmatched_total": w.unmatched,
+                                  "wrapped_total": w.wrapped,
                                   "num_experts": w.replay.num_experts, "steps": cols}, dumps=_orjson_dumps)
 
     # -- completions: parse, then a prefill leg or a decode leg ----------------------------------

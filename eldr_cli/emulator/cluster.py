@@ -65,16 +65,23 @@ class EmulatedCluster:
 
 def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str = "127.0.0.1",
                   base_port: int = 18300, max_seqs: int = 256, model_name: str | None = None,
-                  cluster_file=None, ready=None) -> None:
+                  cluster_file=None, ready=None, split: str = "evaluation") -> None:
     """Run an emulated cluster until SIGINT/SIGTERM (``eldr emulate``). ``cluster_file`` gets
-    {"mode": "emulated", "prefill": [...], "decode": [...]} once every port listens."""
+    {"mode": "emulated", "prefill": [...], "decode": [...], "trace": ..., "split": ...} once every port
+    listens. ``split`` names the rows a bench sends by default (`eldr bench serve --cluster FILE` without
+    --prompts); every row of the trace is answered whatever it is."""
     if n_prefill < 1 or n_decode < 1:
         raise EldrError("--prefill and --decode must be >= 1")
     if not (0 < base_port and base_port + n_prefill + n_decode <= 65536):
         raise EldrError(f"--base-port {base_port} leaves no room for {n_prefill + n_decode} ports")
+    from eldr_cli.costmodel.roofline import load_roofline
+    from eldr_cli.pipeline.simulate import check_cost_model
+
     cost = CostModel.load(cost_model)
     tr = read_trace(trace)
-    replay = TraceReplay(tr, cost)
+    replay = TraceReplay(tr, cost, roofline=load_roofline(cost_model))
+    check_cost_model(replay, cost_model)
+    n_split = int(tr.split_mask(split).sum())  # an unknown or empty split: one message, before listening
     name = model_name or str(tr.model.get("model") or "eldr-emulated")
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
@@ -87,8 +94,10 @@ def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str
         for s in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(s, stop.set)
         info = {"mode": "emulated", "pid": os.getpid(), "model": name, "prefill": cluster.prefill_urls,
-                "decode": cluster.decode_urls, "trace": str(trace), "cost_model": str(cost_model),
-                "n_layers": replay.n_layers, "num_experts": replay.num_experts}
+                "decode": cluster.decode_urls, "trace": str(Path(trace).resolve()),
+                "cost_model": str(Path(cost_model).resolve()), "split": split, "split_rows": n_split,
+                "rows_without_text": replay.rows_without_text, "n_layers": replay.n_layers,
+                "num_experts": replay.num_experts}
         if cluster_file:
             _write_json_atomic(Path(cluster_file), info)
         if ready:

@@ -122,11 +122,14 @@ class DecodeWorker(Worker):
         self.running: list[DecodeRequest] = []
         self.steps: list[tuple] = []
         self.t0 = time.perf_counter()
+        self.wrapped = 0  # requests decoding past their row's captured steps (which then replay again)
 
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
 
     def submit(self, req: DecodeRequest) -> None:
+        if self.replay.wraps(req.row, req.max_tokens):
+            self.wrapped += 1
         self.waiting.append(req)
         self._wake.set()
 

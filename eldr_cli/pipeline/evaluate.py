@@ -29,7 +29,8 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
     proxy tracks them). Every global step each decoder decodes one token for all its in-flight
     requests (its batch), replaying the request's next recorded decode step. Returns parallel
     int64 arrays ``step``, ``decoder``, ``request`` (trace row), ``request_step`` -- one row per
-    (batch, member) -- and ``assigned`` [len(rows)] (decoder of each request).
+    (batch, member) -- and ``assigned`` [len(rows)] (decoder of each request); ``drained_step`` is the
+    first global step at which no request was left waiting (before it every pool was full: steady state).
     """
     if trace.decode_offsets is None:
         raise ValueError("trace has no per-step decode picks (decode_offsets) to replay")
@@ -40,6 +41,7 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
     cols: dict[str, list[int]] = {"step": [], "decoder": [], "request": [], "request_step": []}
     cap = n_decoders * batch_size
     total, t, qi = 0, 0, 0
+    drained = None
     while qi < len(queue) or total:
         while total < cap and qi < len(queue):
             r = queue[qi]
@@ -52,6 +54,8 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
             inflight[d].append([r, 0])
             assigned[r] = d
             total += 1
+        if drained is None and qi >= len(queue):
+            drained = t
         for d in range(n_decoders):
             for item in inflight[d]:
                 cols["step"].append(t)
@@ -66,6 +70,7 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
         t += 1
     out = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
     out["assigned"] = np.asarray([assigned.get(int(r), -1) for r in rows], dtype=np.int64)
+    out["drained_step"] = np.asarray(t if drained is None else drained, dtype=np.int64)
     return out
 
 

@@ -1,0 +1,236 @@
+"""`eldr bench replay`: distinct active experts per decode step by routing policy and batch size (the
+paper's Fig. 13), from a trace's own per-step decode picks. No clock and no cost model: the number is
+a property of the trace and the routing decision alone.
+
+For each policy and batch size B, the served rows (repeated in seeded shuffled passes until there are
+at least ``PASSES_MIN x K x B`` requests) go through :func:`eldr_cli.pipeline.evaluate.replay_batches`:
+K decoders, at most K x B requests in flight, each routed at admission by the shared routing object
+(``stages.routing.make_policy``) or by the ``oracle`` (``stages.oracle``: balanced clusters fitted on the
+*decode* patterns of the served rows themselves, the same band rule). Every (step, decoder) batch is
+scored by the union of its members' current-step picks: distinct active experts per layer (mean over
+layers). Only steady-state steps count (while requests were still waiting, so every pool was full).
+
+The oracle is the physical limit of decode routing on the trace: the summary gives, per batch size,
+the share of the distance from the best load balancer to the oracle that ELDR covers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+from eldr_cli.stages.routing import POLICIES
+
+REPLAY_POLICIES = (*POLICIES, "oracle")
+LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+DEFAULT_BATCHES = (1, 4, 16, 64)
+PASSES_MIN = 3  # requests per run >= 3 K B, so the steady state is most of the run
+
+
+def _no_signature(_row: int) -> None:
+    return None
+
+
+def step_masks(trace, pick_rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """Packed bit sets (uint64 [n, W]) of the decode steps ``pick_rows`` (bit l*E + e: expert e at layer l)."""
+    from eldr_cli.bench.replay import _pack_bits
+
+    L, E = trace.num_layers, trace.num_experts
+    out = []
+    for i in range(0, len(pick_rows), chunk):
+        picks = np.asarray(trace.decode_picks[pick_rows[i:i + chunk]], dtype=np.int64)  # [c, L, k]
+        flat = np.zeros((picks.shape[0], L * E), dtype=bool)
+        valid = (picks >= 0) & (picks < E)
+        rows = np.broadcast_to(np.arange(picks.shape[0])[:, None, None], picks.shape)
+        flat[rows[valid], (np.arange(L)[None, :, None] * E + picks)[valid]] = True
+        out.append(_pack_bits(flat))
+    return np.vstack(out) if out else np.zeros((0, max(1, (L * E + 63) // 64)), dtype=np.uint64)
+
+
+def score(trace, rec: dict, masks: dict[int, np.ndarray] | None = None) -> dict:
+    """Mean distinct active experts per layer over the steady-state (step, decoder) batches of ``rec``."""
+    steady = rec["step"] < int(rec["drained_step"])
+    if not steady.any():  # fewer requests than one full pool: score every step, and say so
+        steady = np.ones_like(rec["step"], dtype=bool)
+    K = int(rec["decoder"].max(initial=0)) + 1
+    key = rec["step"][steady] * K + rec["decoder"][steady]
+    pick_rows = np.asarray(trace.decode_offsets, dtype=np.int64)[rec["request"][steady]] + rec["request_step"][steady]
+    uniq_rows, inv = np.unique(pick_rows, return_inverse=True)
+    bits = step_masks(trace, uniq_rows)[inv]
+    order = np.argsort(key, kind="stable")
+    k_sorted = key[order]
+    starts = np.flatnonzero(np.r_[True, k_sorted[1:] != k_sorted[:-1]])
+    union = np.bitwise_or.reduceat(bits[order], starts, axis=0)
+    active = np.bitwise_count(union).sum(axis=1) / trace.num_layers
+    sizes = np.diff(np.r_[starts, len(k_sorted)])
+    return {"mean_active_per_layer": float(active.mean()), "mean_batch": float(sizes.mean()),
+            "batch_steps": int(len(starts)), "steady_state": bool((rec["step"] < int(rec["drained_step"])).any())}
+
+
+def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
+    from eldr_cli.stages.oracle import oracle_share as share
+
+    return share(lb, eldr, oracle)
+
+
+def shares(results: list[dict]) -> list[dict]:
+    """Per batch size: best load balancer, ELDR, oracle (active experts per layer) and ELDR's share (%)."""
+    out = []
+    for B in sorted({r["batch_size"] for r in results}):
+        at = {r["policy"]: r["mean_active_per_layer"] for r in results if r["batch_size"] == B}
+        lbs = {p: at[p] for p in LOAD_BALANCERS if p in at}
+        row: dict = {"batch_size": B}
+        if lbs:
+            best = min(lbs, key=lambda p: lbs[p])
+            row.update(best_lb=best, best_lb_active=lbs[best])
+            if "eldr" in at and "oracle" in at:
+                row.update(eldr_active=at["eldr"], oracle_active=at["oracle"],
+                           share_pct=oracle_share(lbs[best], at["eldr"], at["oracle"]))
+        out.append(row)
+    return out
+
+
+def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHES, split: str = "evaluation",
+               tau: float | None = None, seed: int = 0, progress=None) -> dict:
+    """Replay every (policy, batch size); returns {"results": [...], "oracle_share": [...], facts}."""
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.pipeline import checks
+    from eldr_cli.pipeline.evaluate import replay_batches
+    from eldr_cli.stages.routing import Policy, RoutingModel, make_policy
+
+    policies = list(policies or [p for p in REPLAY_POLICIES])
+    for p in policies:
+        if p not in REPLAY_POLICIES:
+            raise EldrError(f"unknown policy {p!r}; expected one of {', '.join(REPLAY_POLICIES)}")
+    sizes = sorted({int(b) for b in batch_sizes})
+    for b in sizes:
+        checks.check_batch_size(b)
+    checks.check_tau(tau)
+    tr = read_trace(trace_path, with_picks=True)
+    if tr.decode_picks is None or tr.decode_offsets is None:
+        raise EldrError(f"trace {trace_path} has no per-step decode picks, which replay needs",
+                        hint="capture with per-step picks (`eldr capture --picks ... --max-new-tokens N`) or "
+                             "generate with `eldr synth-trace --picks`")
+    model = RoutingModel.load(routing)
+    if tuple(model.shape) != (tr.num_layers, tr.num_experts):
+        raise EldrError(f"the trace has L={tr.num_layers}, E={tr.num_experts} but the routing artifact expects "
+                        f"{model.shape[0]}x{model.shape[1]}",
+                        hint="fit the routing artifact on a trace of the same model")
+    K = int(model.n_clusters)
+    served = np.flatnonzero(tr.split_mask(split))
+    steps = np.diff(np.asarray(tr.decode_offsets, dtype=np.int64))
+    served = served[steps[served] > 0]
+    if served.size == 0:
+        raise EldrError(f"the {split} rows of {trace_path} have no decode steps to replay")
+    domains = tr.column("domain") if "domain" in tr.requests.columns else None
+    oracle = None
+    if "oracle" in policies:
+        from eldr_cli.stages.oracle import OracleModel
+
+        oracle = OracleModel(np.asarray(tr.decode_counts), served, K, tau=model.tau if tau is None else tau,
+                             seed=seed, signature=model.signature)
+    sigs: dict[int, np.ndarray] = {}
+
+    def eldr_sig(r: int):
+        if r not in sigs:
+            sigs[r] = model.signature(tr.prefill_counts[r])
+        return sigs[r]
+
+    rng = np.random.default_rng(seed)
+    results = []
+    for B in sizes:
+        passes = max(1, -(-PASSES_MIN * K * B // served.size))
+        rows = np.concatenate([rng.permutation(served) for _ in range(passes)])
+        for name in policies:
+            pol: Policy
+            sig_of: Callable[[int], np.ndarray | None]
+            if name == "oracle":
+                from eldr_cli.stages.oracle import OraclePolicy
+
+                assert oracle is not None
+                pol = OraclePolicy(K, oracle, tau=tau)
+                sig_of = oracle.signature
+            else:
+                pol = make_policy(name, K, model=model, tau=tau, seed=seed)
+                sig_of = eldr_sig if pol.needs_signature else _no_signature
+            rec = replay_batches(tr, rows, pol, sig_of, K, B, domains=domains)
+            results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec)})
+            if progress:
+                progress(name, B)
+    generated = tr.model.get("family") == "synthetic" or tr.model.get("model") == "synthetic"
+    source = "generated" if generated else ("imported" if tr.model.get("family") == "imported" else "captured")
+    return {"results": results, "oracle_share": shares(results), "n_decoders": K, "split": split,
+            "served_rows": int(served.size), "n_layers": tr.num_layers, "num_experts": tr.num_experts,
+            "tau": model.tau if tau is None else tau, "trace_source": source, "model": tr.model.get("model")}
+
+
+def write_replay(out, res: dict, *, trace, routing, seed: int = 0, figures: bool = True) -> Path:
+    """The `replay` artifact: replay.json (results + oracle_share) and fig13_replay.png."""
+    import polars as pl
+
+    from eldr_cli.artifacts.store import ArtifactWriter
+
+    params = {k: res[k] for k in ("n_decoders", "split", "tau", "trace_source", "model", "n_layers", "num_experts")}
+    params.update(policies=list(dict.fromkeys(r["policy"] for r in res["results"])),
+                  batch_sizes=sorted({r["batch_size"] for r in res["results"]}), seed=seed,
+                  metric="distinct active experts per layer per decode step (steady state, mean over layers)")
+    with ArtifactWriter(out, kind="replay", params=params, inputs={"trace": trace, "routing": routing}) as w:
+        w.write_table("results", pl.DataFrame(res["results"]))
+        w.write_json("replay.json", res)
+        w.metrics.update({"served_rows": res["served_rows"], "oracle_share": res["oracle_share"]})
+        if figures:
+            replay_figure(w.figure_path("fig13_replay.png"), res)
+    return Path(out)
+
+
+def replay_figure(path, res: dict) -> None:
+    """Fig. 13 (replay): distinct active experts per layer per decode step against batch size, per policy."""
+    from eldr_cli import plots
+
+    plt = plots.plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    pols = list(dict.fromkeys(r["policy"] for r in res["results"]))
+    for p in pols:
+        rs = sorted((r for r in res["results"] if r["policy"] == p), key=lambda r: r["batch_size"])
+        style = {"eldr": dict(lw=2.2, color="tab:red"), "oracle": dict(lw=1.6, ls="--", color="k")}.get(p, {})
+        ax.plot([r["batch_size"] for r in rs], [r["mean_active_per_layer"] for r in rs], marker="o", ms=3,
+                label=p, **style)
+    ax.axhline(res["num_experts"], color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch size per decoder (closed loop)")
+    ax.set_ylabel("distinct active experts per layer\nper decode step (mean)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"Trace REPLAY ({res['trace_source']} trace, K={res['n_decoders']} decoders): "
+                 "active experts by policy", fontsize=9)
+    plots.save(fig, path)
+
+
+def replay_rows(res: dict) -> tuple[list[str], list[list[str]]]:
+    """The Fig. 13 table: one row per policy (active experts per layer per step at each batch size), then
+    ELDR's share of the best-load-balancer-to-oracle distance. Shared by the CLI and the report."""
+    sizes = sorted({r["batch_size"] for r in res["results"]})
+    at = {(r["policy"], r["batch_size"]): r["mean_active_per_layer"] for r in res["results"]}
+    head = ["policy"] + [f"B={b}" for b in sizes]
+    rows = [[p] + [f"{at[(p, b)]:.2f}" if (p, b) in at else "-" for b in sizes]
+            for p in dict.fromkeys(r["policy"] for r in res["results"])]
+    share = {s["batch_size"]: s.get("share_pct") for s in res["oracle_share"]}
+    if any(v is not None for v in share.values()):
+        rows.append(["ELDR share of LB->oracle"] + [f"{share[b]:.0f}%" if share.get(b) is not None else "n/a"
+                                                    for b in sizes])
+    return head, rows
+
+
+def print_replay(res: dict, console=None) -> None:
+    from eldr_cli.console import console as default
+    from eldr_cli.console import table
+
+    con = console or default
+    head, rows = replay_rows(res)
+    t = table(*head, title=f"distinct active experts per layer per decode step -- trace REPLAY "
+                           f"({res['trace_source']}, K={res['n_decoders']}, {res['served_rows']} {res['split']} rows)")
+    for r in rows:
+        t.add_row(*r)
+    con.print(t)
