@@ -55,6 +55,17 @@ def test_report_html_has_every_figure_and_the_json_verdict(inputs, tmp_path):
     assert doc["simulated"]["cost_model"] in html
     assert {r["router"] for r in doc["runs"]} >= {"round-robin", "jsq", "eldr", "oracle"}
     assert v["oracle_share_pct"] is None or 0 <= v["oracle_share_pct"] <= 100
+    # Fig. 13 from trace replay: a row per policy incl. the oracle at each batch size, and ELDR's share
+    rep = doc["replay"]
+    assert {r["policy"] for r in rep["results"]} >= {"round-robin", "eldr", "oracle"}
+    assert "fig13_replay.png" in doc["figures"]
+    table = html.split("<table id='replay'>")[1].split("</table>")[0]
+    assert "<td>oracle</td>" in table and "REPLAY" in html
+    from eldr_cli.pipeline.replay import shares
+
+    assert rep["oracle_share"] == shares(rep["results"])
+    if any(s.get("share_pct") is not None for s in rep["oracle_share"]):
+        assert "<td>ELDR share of LB-&gt;oracle</td>" in table
 
 
 def test_report_without_decode_picks_names_the_capture_flags(inputs, tmp_path):

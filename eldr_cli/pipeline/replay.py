@@ -27,6 +27,8 @@ from eldr_cli.stages.routing import POLICIES
 REPLAY_POLICIES = (*POLICIES, "oracle")
 LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 DEFAULT_BATCHES = (1, 4, 16, 64)
+COLORS = {"round-robin": "tab:blue", "random": "tab:orange", "jsq": "tab:green", "p2c": "tab:olive",
+          "domain": "tab:purple", "eldr": "tab:red", "oracle": "black"}
 PASSES_MIN = 3  # requests per run >= 3 K B, so the steady state is most of the run
 
 
@@ -195,11 +197,13 @@ def replay_figure(path, res: dict) -> None:
     pols = list(dict.fromkeys(r["policy"] for r in res["results"]))
     for p in pols:
         rs = sorted((r for r in res["results"] if r["policy"] == p), key=lambda r: r["batch_size"])
-        style = {"eldr": dict(lw=2.2, color="tab:red"), "oracle": dict(lw=1.6, ls="--", color="k")}.get(p, {})
+        style = {"eldr": dict(lw=2.2), "oracle": dict(lw=1.6, ls="--")}.get(p, {})
         ax.plot([r["batch_size"] for r in rs], [r["mean_active_per_layer"] for r in rs], marker="o", ms=3,
-                label=p, **style)
+                label=p, color=COLORS.get(p, "tab:gray"), **style)
     ax.axhline(res["num_experts"], color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
+    sizes = sorted({r["batch_size"] for r in res["results"]})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set_xlabel("decode batch size per decoder (closed loop)")
     ax.set_ylabel("distinct active experts per layer\nper decode step (mean)")
     ax.legend(fontsize=7, ncol=2)

@@ -20,7 +20,8 @@ from eldr_cli.errors import EldrError
 
 LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 DEFAULT_DEVICE = "H100-SXM"
-STAGES = ("trace", "fit", "cost model", "simulate", "write")
+STAGES = ("trace", "fit", "cost model", "simulate", "replay", "write")
+REPLAY_BATCHES = (1, 4, 16, 64)
 
 
 def _pct(new: float | None, old: float | None) -> float | None:
@@ -111,6 +112,18 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int) -> str
             f"% against round-robin (negative = fewer).")
 
 
+def replay_text(res: dict) -> str:
+    """One sentence on the replay's oracle row at the largest batch size where it has a share."""
+    got = [s for s in res.get("oracle_share", []) if s.get("share_pct") is not None]
+    if not got:
+        return ""
+    s = got[-1]
+    return (f" In trace replay (no cost model) at decode batch {s['batch_size']} ELDR activates "
+            f"{s['eldr_active']:.1f} distinct experts per layer per step against {s['best_lb_active']:.1f} for the "
+            f"best load balancer ({s['best_lb']}) and {s['oracle_active']:.1f} for the oracle: "
+            f"{s['share_pct']:.0f}% of the way to the oracle.")
+
+
 def _figures(*dirs: Path | None) -> list[Path]:
     out: list[Path] = []
     for d in dirs:
@@ -192,9 +205,11 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
                      n_prefill=n_prefill, n_decode=n_decode, duration_s=duration_s, warmup_s=warmup_s,
                      max_tokens=max_tokens, routing=routing, seed=seed, title="SIMULATED")
         runs = json.loads((sim / "summary.json").read_text())["runs"]
+        step("replay")
+        replay = _replay(trace, routing, names, split_used, seed, work / "replay")
         step("write")
         v = verdict(runs)
-        text = verdict_text(v, cost_label, n_prefill, n_decode)
+        text = verdict_text(v, cost_label, n_prefill, n_decode) + replay_text(replay)
         doc = {"verdict": {**v, "text": text}, "trace": {"path": str(trace), "model": tr.model.get("model"),
                                                          "requests": int(R), "n_layers": int(L),
                                                          "num_experts": int(E), "top_k": top_k,
@@ -202,10 +217,10 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
                "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": n_prefill,
                              "decode": n_decode, "rates": list(rates), "routers": names, "max_tokens": max_tokens,
                              "duration_s": duration_s, "split": split_used},
-               "fit": _fit_facts(routing), "runs": runs, "notes": notes}
+               "fit": _fit_facts(routing), "runs": runs, "replay": replay, "notes": notes}
         stage = work / "report"
         stage.mkdir()
-        figs = _figures(Path(trace), routing, sim)
+        figs = _figures(Path(trace), routing, sim, work / "replay")
         from eldr_cli.pipeline.report_render import render_html, render_md
 
         doc["figures"] = [f.name for f in figs]
@@ -222,6 +237,18 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return doc["verdict"]
+
+
+def _replay(trace, routing, routers: list[str], split: str, seed: int, fig_dir: Path) -> dict:
+    """Fig. 13 from the trace itself: distinct active experts per decode step by policy and batch size,
+    replayed closed-loop with the oracle row and ELDR's share of the best-balancer-to-oracle distance."""
+    from eldr_cli.pipeline.replay import REPLAY_POLICIES, replay_figure, run_replay
+
+    res = run_replay(trace, routing=routing, policies=[r for r in routers if r in REPLAY_POLICIES],
+                     batch_sizes=REPLAY_BATCHES, split=split, seed=seed)
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    replay_figure(fig_dir / "fig13_replay.png", res)
+    return res
 
 
 def _domains(tr) -> dict:

@@ -8,7 +8,8 @@ SECTIONS = [
     ("The trace", ("fig1", "fig3")),
     ("Signature quality (rho per transform, greedy layer curve, N*)", ("fig7", "fig8")),
     ("Clusters", ("fig9",)),
-    ("Distinct active experts per decode step by policy -- SIMULATED", ("fig13",)),
+    ("Distinct active experts per decode step by policy and batch size -- trace REPLAY and SIMULATED",
+     ("fig13",)),
     ("Predicted TPOT p50/p99 and TTFT vs request rate per router -- SIMULATED", ("fig11",)),
 ]
 VERDICT_KEYS = ("tpot_p50_change_vs_best_lb_pct", "tpot_p99_change_vs_best_lb_pct",
@@ -24,6 +25,19 @@ def _table(doc: dict) -> tuple[list[str], list[list[str]]]:
     rows = [[r["router"], _fmt(r["request_rate"]), _fmt(r.get("median_tpot_ms")), _fmt(r.get("p99_tpot_ms")),
              _fmt(r.get("median_ttft_ms")), _fmt(r.get("mean_active_experts_per_step"))] for r in doc["runs"]]
     return head, rows
+
+
+def _replay_table(doc: dict) -> tuple[str, list[str], list[list[str]]] | None:
+    """Fig. 13's numbers: per policy and batch size, then ELDR's share of the LB-to-oracle distance."""
+    from eldr_cli.pipeline.replay import replay_rows
+
+    res = doc.get("replay")
+    if not res or not res.get("results"):
+        return None
+    head, rows = replay_rows(res)
+    title = (f"Distinct active experts per layer per decode step -- trace REPLAY ({res['trace_source']} trace, "
+             f"K={res['n_decoders']} decoders, {res['served_rows']} {res['split']} rows; no cost model)")
+    return title, head, rows
 
 
 def _facts(doc: dict) -> list[tuple[str, str]]:
@@ -59,6 +73,11 @@ def render_md(doc: dict) -> str:
     head, rows = _table(doc)
     lines += ["", "## Runs -- SIMULATED (" + doc["simulated"]["cost_model"] + ")", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    rt = _replay_table(doc)
+    if rt is not None:
+        title, head, rows = rt
+        lines += ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
     for title, figs in _group(doc["figures"]):
         lines += ["", f"## {title}", ""] + ([f"- {f} (embedded in report.html)" for f in figs] or
                                             ["(no figure: the input artifact has none)"])
@@ -83,6 +102,13 @@ def render_html(doc: dict, images: dict[str, str]) -> str:
                  "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
+    rt = _replay_table(doc)
+    if rt is not None:
+        title, head, rows = rt
+        parts.append(f"<h2>{e(title)}</h2><table id='replay'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head)
+                     + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
     for title, figs in _group(doc["figures"]):
         parts.append(f"<h2>{e(title)}</h2>")
         if not figs:
