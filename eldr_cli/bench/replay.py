@@ -73,7 +73,9 @@ class TraceReplay:
                             hint="capture with per-step picks (the default) or `eldr synth-trace --picks`")
         self.trace = trace
         self.cost = cost
-        self.roofline = roofline
+        # a cost model that carries its roofline (CostModel.load of a roofline artifact may return one) needs
+        # no separate argument
+        self.roofline = roofline if roofline is not None else getattr(cost, "roofline", None)
         R, L, E = trace.prefill_counts.shape
         self.n_layers, self.num_experts = L, E
         self.token_scale = cost.token_scale(trace.model.get("top_k"))

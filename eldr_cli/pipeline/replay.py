@@ -17,7 +17,7 @@ the share of the distance from the best load balancer to the oracle that ELDR co
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,6 +29,7 @@ LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 DEFAULT_BATCHES = (1, 4, 16, 64)
 COLORS = {"round-robin": "tab:blue", "random": "tab:orange", "jsq": "tab:green", "p2c": "tab:olive",
           "domain": "tab:purple", "eldr": "tab:red", "oracle": "black"}
+STYLES: dict[str, dict[str, Any]] = {"eldr": {"lw": 2.2}, "oracle": {"lw": 1.6, "ls": "--"}}
 PASSES_MIN = 3  # requests per run >= 3 K B, so the steady state is most of the run
 
 
@@ -52,7 +53,21 @@ def step_masks(trace, pick_rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
     return np.vstack(out) if out else np.zeros((0, max(1, (L * E + 63) // 64)), dtype=np.uint64)
 
 
-def score(trace, rec: dict, masks: dict[int, np.ndarray] | None = None) -> dict:
+class StepMasks:
+    """The packed decode-step bit sets of the served rows, built once and shared by every replay run."""
+
+    def __init__(self, trace, rows: np.ndarray):
+        off = np.asarray(trace.decode_offsets, dtype=np.int64)
+        pick_rows = np.concatenate([np.arange(off[r], off[r + 1]) for r in np.unique(rows)])
+        self.index = np.full(int(off[-1]), -1, dtype=np.int64)
+        self.index[pick_rows] = np.arange(pick_rows.size)
+        self.masks = step_masks(trace, pick_rows)
+
+    def __getitem__(self, pick_rows: np.ndarray) -> np.ndarray:
+        return self.masks[self.index[pick_rows]]
+
+
+def score(trace, rec: dict, masks: StepMasks) -> dict:
     """Mean distinct active experts per layer over the steady-state (step, decoder) batches of ``rec``."""
     steady = rec["step"] < int(rec["drained_step"])
     if not steady.any():  # fewer requests than one full pool: score every step, and say so
@@ -60,8 +75,7 @@ def score(trace, rec: dict, masks: dict[int, np.ndarray] | None = None) -> dict:
     K = int(rec["decoder"].max(initial=0)) + 1
     key = rec["step"][steady] * K + rec["decoder"][steady]
     pick_rows = np.asarray(trace.decode_offsets, dtype=np.int64)[rec["request"][steady]] + rec["request_step"][steady]
-    uniq_rows, inv = np.unique(pick_rows, return_inverse=True)
-    bits = step_masks(trace, uniq_rows)[inv]
+    bits = masks[pick_rows]
     order = np.argsort(key, kind="stable")
     k_sorted = key[order]
     starts = np.flatnonzero(np.r_[True, k_sorted[1:] != k_sorted[:-1]])
@@ -142,6 +156,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
         return sigs[r]
 
     rng = np.random.default_rng(seed)
+    masks = StepMasks(tr, served)
     results = []
     for B in sizes:
         passes = max(1, -(-PASSES_MIN * K * B // served.size))
@@ -159,7 +174,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
                 pol = make_policy(name, K, model=model, tau=tau, seed=seed)
                 sig_of = eldr_sig if pol.needs_signature else _no_signature
             rec = replay_batches(tr, rows, pol, sig_of, K, B, domains=domains)
-            results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec)})
+            results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec, masks)})
             if progress:
                 progress(name, B)
     generated = tr.model.get("family") == "synthetic" or tr.model.get("model") == "synthetic"
@@ -197,7 +212,7 @@ def replay_figure(path, res: dict) -> None:
     pols = list(dict.fromkeys(r["policy"] for r in res["results"]))
     for p in pols:
         rs = sorted((r for r in res["results"] if r["policy"] == p), key=lambda r: r["batch_size"])
-        style = {"eldr": dict(lw=2.2), "oracle": dict(lw=1.6, ls="--")}.get(p, {})
+        style: dict[str, Any] = STYLES.get(p, {})
         ax.plot([r["batch_size"] for r in rs], [r["mean_active_per_layer"] for r in rs], marker="o", ms=3,
                 label=p, color=COLORS.get(p, "tab:gray"), **style)
     ax.axhline(res["num_experts"], color="grey", lw=0.8, ls=":")

@@ -55,7 +55,8 @@ def _facts(doc: dict) -> list[tuple[str, str]]:
 def _group(figs: list[str]) -> list[tuple[str, list[str]]]:
     used, out = set(), []
     for title, keys in SECTIONS:
-        got = [f for f in figs if any(f.lower().startswith(k) for k in keys) and f not in used]
+        # "fig1_" not "fig1": fig11_/fig13_ belong to their own sections, not to the trace's Fig. 1
+        got = [f for f in figs if any(f.lower().startswith(k + "_") for k in keys) and f not in used]
         used.update(got)
         out.append((title, got))
     rest = [f for f in figs if f not in used]
