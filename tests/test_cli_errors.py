@@ -127,6 +127,7 @@ MOE = ["bench", "moe-layer", "--experts", "8", "--hidden", "16", "--intermediate
        "--batches", "1,2", "--active", "1,2", "--repeats", "1"]
 SIM = ["bench", "simulate", "--trace", "trace", "--cost-model", "cost", "--routing", "fit/routing", "--out", "sim",
        "--rates", "1", "--duration", "1", "--warmup", "0"]
+REPLAY = ["bench", "replay", "--trace", "trace", "--routing", "fit/routing", "--out", "new"]
 SERVE = ["bench", "serve", "--url", "http://127.0.0.1:9", "--prompts", "trace", "--out", "b", "--no-live"]
 
 # id: (argv, the text the one error line must contain[, preparation of the workspace])
@@ -175,6 +176,11 @@ CASES: dict[str, tuple] = {
     "sim-out-is-input": ([*SIM[:-8], "--out", "cost", "--rates", "1"], "is the input cost"),
     "show-missing": (["bench", "show", "nope"], "nope does not exist"),
     "show-wrong-kind": (["bench", "show", "trace"], "is a 'trace' artifact; expected bench"),
+    "replay-policy-unknown": ([*REPLAY, "--policies", "eldr,bogus"], "unknown policy 'bogus'"),
+    "replay-batch-text": ([*REPLAY, "--batch-sizes", "4,x"], "--batch-sizes must be comma-separated"),
+    "replay-batch-0": ([*REPLAY, "--batch-sizes", "0"], "--batch-sizes must be a positive integer"),
+    "replay-out-is-input": (["bench", "replay", "--trace", "trace", "--routing", "fit/routing", "--out", "trace"],
+                            "is the input trace"),
     "emulate-prefill-0": (["emulate", "--trace", "trace", "--cost-model", "cost", "--prefill", "0"], "'--prefill'"),
     "emulate-wrong-kind": (["emulate", "--trace", "trace", "--cost-model", "trace"], "expected cost-model"),
     "emulate-port-range": (["emulate", "--trace", "trace", "--cost-model", "cost", "--base-port", "70000"],

@@ -148,6 +148,23 @@ def comparison_table(comp: list[dict], mode: str, *, wide: bool = True):
     return t
 
 
+def oracle_table(rows: list[dict], mode: str):
+    """Per rate: TPOT p50 and active experts of the best load balancer, ELDR and the oracle, and the share
+    (%) of the balancer-to-oracle distance ELDR covers (``summary.json`` ``oracle_share``)."""
+    from eldr_cli.console import table
+
+    t = table("rate", "TPOT LB", "eldr", "oracle", "share", "experts LB", "eldr", "oracle", "share",
+              title=f"ELDR's share of the best-LB-to-oracle distance -- {MODE_LABEL[mode]}")
+    for r in rows:
+        cells = [_f(r["request_rate"], "{:g}")]
+        for m in ("p50_tpot_ms", "mean_active_experts_per_step"):
+            d = r.get(m) or {}
+            cells += [_f(d.get("best_lb")), _f(d.get("eldr")), _f(d.get("oracle")),
+                      "n/a" if d.get("share_pct") is None else f"{d['share_pct']:.0f}%"]
+        t.add_row(*cells)
+    return t
+
+
 def print_bench(path: str | os.PathLike, console=None, *, wide: bool = False) -> dict:
     """Print an existing bench artifact's tables; returns its summary.
 
@@ -173,6 +190,8 @@ def print_bench(path: str | os.PathLike, console=None, *, wide: bool = False) ->
                   + ", ".join(f"{r['router']}@{r['request_rate']:g}: {r['failed_by_outcome']}"
                               for r in summary["runs"] if r["failed"])
                   + "); latency percentiles cover the completed ones")
+    if summary.get("oracle_share"):
+        con.print(oracle_table(summary["oracle_share"], mode))
     wrapped = sum(int(r.get("wrapped_requests") or 0) for r in summary["runs"])
     if wrapped:
         con.print(f"{wrapped} requests asked for more tokens than their trace row captured: their decode steps "

@@ -123,7 +123,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
             raise EldrError(f"unknown policy {p!r}; expected one of {', '.join(REPLAY_POLICIES)}")
     sizes = sorted({int(b) for b in batch_sizes})
     for b in sizes:
-        checks.check_batch_size(b)
+        checks.check_batch_size(b, flag="--batch-sizes")
     checks.check_tau(tau)
     tr = read_trace(trace_path, with_picks=True)
     if tr.decode_picks is None or tr.decode_offsets is None:
