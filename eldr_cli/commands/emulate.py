@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -23,8 +24,9 @@ def emulate_cmd(
     model_name: str = typer.Option(None, "--model-name", help="Model id served (default: the trace's model)."),
     cluster_file: Path = typer.Option(None, "--cluster-file",
                                       help="Write the worker URLs as JSON here once listening (for bench/proxy)."),
-    split: str = split_option("evaluation", help="Rows a bench sends by default (`bench serve --cluster FILE` "
-                                                 "without --prompts); every row is answered."),
+    split: Optional[str] = split_option(None, help="Rows a bench sends by default (`bench serve --cluster FILE` "
+                                        "without --prompts): default evaluation, all when the trace has no "
+                                        "evaluation rows; every row is answered."),
 ) -> None:
     """Run P prefill + D decode EMULATED workers until Ctrl-C. Step times come from the cost model applied
     to the union of experts the running requests' replayed trace picks activate. A request is a trace row,
@@ -34,10 +36,10 @@ def emulate_cmd(
     from eldr_cli.emulator import serve_cluster
 
     def ready(info):
+        no_text = info["rows_without_text"]
         console.print(f"[bold]EMULATED[/] cluster {prefill}P{decode}D of {info['model']} (pid {info['pid']}), "
-                      f"{info['split_rows']} {split} rows" + (f", {info['rows_without_text']} rows without prompt "
-                                                              "text (sent as trace-row:<id>)"
-                                                              if info["rows_without_text"] else "") + ":")
+                      f"{info['split_rows']} {info['split']} rows"
+                      + (f", {no_text} rows without prompt text (sent as trace-row:<id>)" if no_text else "") + ":")
         console.print("  prefill: " + " ".join(info["prefill"]))
         console.print("  decode:  " + " ".join(info["decode"]))
         console.print("  serve-proxy: eldr serve-proxy --routing FIT/routing "

@@ -65,11 +65,11 @@ class EmulatedCluster:
 
 def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str = "127.0.0.1",
                   base_port: int = 18300, max_seqs: int = 256, model_name: str | None = None,
-                  cluster_file=None, ready=None, split: str = "evaluation") -> None:
+                  cluster_file=None, ready=None, split: str | None = None) -> None:
     """Run an emulated cluster until SIGINT/SIGTERM (``eldr emulate``). ``cluster_file`` gets
     {"mode": "emulated", "prefill": [...], "decode": [...], "trace": ..., "split": ...} once every port
     listens. ``split`` names the rows a bench sends by default (`eldr bench serve --cluster FILE` without
-    --prompts); every row of the trace is answered whatever it is."""
+    --prompts; None: ``evaluation`` when the trace has such rows, else all); every row is answered."""
     if n_prefill < 1 or n_decode < 1:
         raise EldrError("--prefill and --decode must be >= 1")
     if not (0 < base_port and base_port + n_prefill + n_decode <= 65536):
@@ -81,6 +81,9 @@ def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str
     tr = read_trace(trace)
     replay = TraceReplay(tr, cost, roofline=load_roofline(cost_model))
     check_cost_model(replay, cost_model)
+    if split is None:
+        has_eval = "split" in tr.requests.columns and bool((tr.column("split") == "evaluation").any())
+        split = "evaluation" if has_eval else "all"
     n_split = int(tr.split_mask(split).sum())  # an unknown or empty split: one message, before listening
     name = model_name or str(tr.model.get("model") or "eldr-emulated")
     loop = new_event_loop()
