@@ -165,6 +165,12 @@ class TraceReplay:
     def prefill_step_ms(self, rows) -> tuple[float, int]:
         a = self.prefill_active(rows)
         tokens = int(self.prompt_tokens[np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
+        if self.roofline is not None:
+            # the roofline with the batch's prompt tokens as its tokens and no KV read (the linearisation
+            # would charge a reference-context KV read per prompt token); the same form as a roofline
+            # cost model's own step_ms without context
+            r = self.roofline
+            return max(r.memory_ms(a, 0.0), r.compute_ms(tokens, 0.0)) + r.facts.n_layers * r.overhead_us / 1e3, a
         return self.cost.step_ms(a, self.n_layers, tokens, self.token_scale), a
 
 
