@@ -326,6 +326,11 @@ def test_roofline_decode_step_charges_kv_at_current_context(imported_trace, tmp_
     ctx0 = rep.prompt_tokens[rows]
     assert early == pytest.approx(roof.step_ms(a0, ctx0)) and late == pytest.approx(roof.step_ms(a0, ctx0 + 6000))
     assert late > early  # 24,000 more KV tokens read
+    # prefill: the roofline at the batch's prompt tokens, no KV read (not the linearisation's per-token KV)
+    pre, ap = rep.prefill_step_ms(rows)
+    T = int(rep.prompt_tokens[rows].sum())
+    overhead = roof.facts.n_layers * roof.overhead_us / 1e3
+    assert pre == pytest.approx(max(roof.memory_ms(ap, 0.0), roof.compute_ms(T, 0.0)) + overhead)
     flat = TraceReplay(tr, CostModel(a_ms=0.1, b_ms=0.01, c_ms=0.01))
     assert flat.decode_step_ms(rows, np.zeros(4, dtype=np.int64)) == flat.decode_step_ms(rows, np.full(4, 6000))
 
