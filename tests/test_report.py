@@ -66,6 +66,11 @@ def test_report_html_has_every_figure_and_the_json_verdict(inputs, tmp_path):
     assert rep["oracle_share"] == shares(rep["results"])
     if any(s.get("share_pct") is not None for s in rep["oracle_share"]):
         assert "<td>ELDR share of LB-&gt;oracle</td>" in table
+    # the simulated share per rate, as in the simulate summary
+    sim_rates = {r["request_rate"] for r in doc["runs"]}
+    assert {r["request_rate"] for r in doc["oracle_share_by_rate"]} == sim_rates
+    if any(r.get("p50_tpot_ms") for r in doc["oracle_share_by_rate"]):
+        assert "<table id='oracle-share'>" in html
 
 
 def test_report_without_decode_picks_names_the_capture_flags(inputs, tmp_path):

@@ -204,7 +204,8 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
         run_simulate(sim, trace=trace, cost_model=cost_model, split=split_used, routers=names, rates=list(rates),
                      n_prefill=n_prefill, n_decode=n_decode, duration_s=duration_s, warmup_s=warmup_s,
                      max_tokens=max_tokens, routing=routing, seed=seed, title="SIMULATED")
-        runs = json.loads((sim / "summary.json").read_text())["runs"]
+        summary = json.loads((sim / "summary.json").read_text())
+        runs = summary["runs"]
         step("replay")
         replay = _replay(trace, routing, names, split_used, seed, work / "replay")
         step("write")
@@ -217,7 +218,8 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
                "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": n_prefill,
                              "decode": n_decode, "rates": list(rates), "routers": names, "max_tokens": max_tokens,
                              "duration_s": duration_s, "split": split_used},
-               "fit": _fit_facts(routing), "runs": runs, "replay": replay, "notes": notes}
+               "fit": _fit_facts(routing), "runs": runs, "oracle_share_by_rate": summary.get("oracle_share", []),
+               "replay": replay, "notes": notes}
         stage = work / "report"
         stage.mkdir()
         figs = _figures(Path(trace), routing, sim, work / "replay")

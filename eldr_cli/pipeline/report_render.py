@@ -40,6 +40,20 @@ def _replay_table(doc: dict) -> tuple[str, list[str], list[list[str]]] | None:
     return title, head, rows
 
 
+def _share_table(doc: dict) -> tuple[list[str], list[list[str]]] | None:
+    """Per simulated rate: TPOT p50 of the best load balancer, ELDR, the oracle, and ELDR's share (%)."""
+    rows = [r for r in doc.get("oracle_share_by_rate") or [] if r.get("p50_tpot_ms")]
+    if not rows:
+        return None
+    head = ["rate", "best LB TPOT p50 ms", "ELDR", "oracle", "ELDR share of LB->oracle"]
+    out = []
+    for r in rows:
+        d = r["p50_tpot_ms"]
+        out.append([_fmt(r["request_rate"]), _fmt(d.get("best_lb")), _fmt(d.get("eldr")), _fmt(d.get("oracle")),
+                    "n/a" if d.get("share_pct") is None else f"{d['share_pct']:.0f}%"])
+    return head, out
+
+
 def _facts(doc: dict) -> list[tuple[str, str]]:
     t, f, s = doc["trace"], doc.get("fit") or {}, doc["simulated"]
     return [("model", str(t["model"])), ("requests", str(t["requests"])),
@@ -74,6 +88,12 @@ def render_md(doc: dict) -> str:
     head, rows = _table(doc)
     lines += ["", "## Runs -- SIMULATED (" + doc["simulated"]["cost_model"] + ")", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+    st = _share_table(doc)
+    if st is not None:
+        head, rows = st
+        lines += ["", "## ELDR's share of the best-load-balancer-to-oracle distance per rate -- SIMULATED", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
     rt = _replay_table(doc)
     if rt is not None:
         title, head, rows = rt
@@ -103,6 +123,14 @@ def render_html(doc: dict, images: dict[str, str]) -> str:
                  "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
     parts.append("</table>")
+    st = _share_table(doc)
+    if st is not None:
+        head, rows = st
+        parts.append("<h2>ELDR's share of the best-load-balancer-to-oracle distance per rate <span class='sim'>"
+                     "SIMULATED</span></h2><table id='oracle-share'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head)
+                     + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
+        parts.append("</table>")
     rt = _replay_table(doc)
     if rt is not None:
         title, head, rows = rt
