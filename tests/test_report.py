@@ -91,3 +91,18 @@ def test_report_with_a_cost_model_of_another_model_exits_2(inputs, tmp_path):
     assert "L=8" in r.stderr + r.stdout
     assert not (tmp_path / "r").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".r.")]  # no half-written work dir left
+
+
+def test_replay_sentence_picks_the_most_telling_batch_and_says_when_eldr_beats_the_oracle():
+    from eldr_cli.pipeline.report import replay_text
+
+    def row(b, lb, e, o, share):
+        return {"batch_size": b, "best_lb": "jsq", "best_lb_active": lb, "eldr_active": e, "oracle_active": o,
+                "share_pct": share}
+
+    res = {"oracle_share": [row(4, 10.0, 9.0, 8.0, 50.0), row(16, 20.0, 15.0, 10.0, 50.0), {"batch_size": 64}]}
+    t = replay_text(res)
+    assert "decode batch 16" in t and "50% of the way to the oracle" in t  # the largest relative gap
+    t = replay_text({"oracle_share": [row(4, 10.0, 7.0, 8.0, 150.0)]})
+    assert "better than this oracle" in t and "150%" not in t
+    assert replay_text({"oracle_share": [{"batch_size": 1}]}) == ""
