@@ -50,6 +50,61 @@ def _no_type_for_flags() -> None:
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
+def _no_adapter_for_missing_values() -> None:
+    """typer 0.29 builds a pydantic TypeAdapter for each option it processes, also for options that
+    were not given (value None), which its coercion passes through unchanged without the adapter;
+    importing pydantic for that was ~0.15 s of every ``eldr ... --help``. Missing values go through
+    typer's pass-through coercion instead (same result); given values are coerced as before."""
+    try:
+        from typer._coercion import PassThroughRuntimeParam
+        from typer.core import _TyperParameter
+        from typer.models import OptionInfo
+    except ImportError:  # pragma: no cover - another typer: leave it alone
+        return
+    if getattr(_TyperParameter.process_value, "_eldr", False):
+        return
+    process = _TyperParameter.process_value
+    passthrough = PassThroughRuntimeParam(parameter_info=OptionInfo(), annotation=bool)
+
+    def process_value(self: _TyperParameter, ctx, value):
+        if value is not None or self._runtime_param is not None:
+            return process(self, ctx, value)
+        self._runtime_param = passthrough
+        try:
+            return process(self, ctx, value)
+        finally:
+            self._runtime_param = None
+
+    process_value._eldr = True  # type: ignore[attr-defined]
+    _TyperParameter.process_value = process_value  # type: ignore[method-assign]
+
+
+def _help_without_markdown() -> None:
+    """Import typer's help renderer without ``rich.markdown`` (markdown-it, ~50 ms of every --help):
+    eldr's help text is rich markup, never markdown, so typer's ``Markdown`` is never built. A
+    stand-in is visible only while typer.rich_utils imports; should it ever be built, it imports the
+    real class."""
+    import types
+
+    if "typer.rich_utils" in sys.modules or "rich.markdown" in sys.modules:
+        return
+
+    class Markdown:
+        def __new__(cls, *args, **kwargs):
+            from rich.markdown import Markdown as real
+
+            return real(*args, **kwargs)
+
+    stand_in = types.ModuleType("rich.markdown")
+    stand_in.Markdown = Markdown  # type: ignore[attr-defined]
+    sys.modules["rich.markdown"] = stand_in
+    try:
+        import typer.rich_utils  # noqa: F401
+    finally:
+        if sys.modules.get("rich.markdown") is stand_in:
+            del sys.modules["rich.markdown"]
+
+
 def _print_version(value: bool) -> None:
     # eager: runs while parsing, before click asks for a subcommand
     if value:
@@ -109,6 +164,10 @@ def run(argv: list[str] | None = None) -> int:
     """
     _register()
     _no_type_for_flags()
+    _no_adapter_for_missing_values()
+    args = sys.argv[1:] if argv is None else argv
+    if not args or "--help" in args:
+        _help_without_markdown()
     click_errors, click_exits, click_aborts = _click_exception_types()
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="eldr")
