@@ -9,6 +9,7 @@ Exit codes: 0 success, 2 anything the user can fix (usage errors, bad files, ref
 from __future__ import annotations
 
 import sys
+from pathlib import PurePath
 
 import typer
 
@@ -52,9 +53,11 @@ def _no_type_for_flags() -> None:
 
 def _no_adapter_for_missing_values() -> None:
     """typer 0.29 builds a pydantic TypeAdapter for each option it processes, also for options that
-    were not given (value None), which its coercion passes through unchanged without the adapter;
-    importing pydantic for that was ~0.15 s of every ``eldr ... --help``. Missing values go through
-    typer's pass-through coercion instead (same result); given values are coerced as before."""
+    were not given: value None, which its coercion passes through unchanged without the adapter, or
+    the option's own default (a group's options are processed before ``group sub --help``).
+    Importing pydantic for that was ~0.15 s of every ``eldr ... --help``. Those values go through
+    typer's pass-through coercion instead (eldr's defaults are plain values of the declared type);
+    given values are coerced as before."""
     try:
         from typer._coercion import PassThroughRuntimeParam
         from typer.core import _TyperParameter
@@ -64,12 +67,16 @@ def _no_adapter_for_missing_values() -> None:
     if getattr(_TyperParameter.process_value, "_eldr", False):
         return
     process = _TyperParameter.process_value
-    passthrough = PassThroughRuntimeParam(parameter_info=OptionInfo(), annotation=bool)
 
     def process_value(self: _TyperParameter, ctx, value):
-        if value is not None or self._runtime_param is not None:
+        kind = self.type_descriptor.annotation
+        plain_default = (value is self.default and isinstance(value, (bool, int, float, str, PurePath))
+                         and isinstance(kind, type) and isinstance(value, kind))
+        if not (value is None or plain_default) or self._runtime_param is not None:
             return process(self, ctx, value)
-        self._runtime_param = passthrough
+        # typer's pass-through: returns a value of the declared type (or None) unchanged
+        self._runtime_param = PassThroughRuntimeParam(parameter_info=OptionInfo(),
+                                                      annotation=kind if plain_default else object)
         try:
             return process(self, ctx, value)
         finally:
