@@ -20,24 +20,35 @@ import numpy as np
 from numba import njit
 
 _MAX_DIGITS = 4  # ids and layer keys below 10,000; longer numbers go to the JSON path
-_WS = (32, 9, 10, 13)
 _OK, _FAIL = 0, 1
 
 
-@njit(cache=True, inline="always")
+def _compiled(**options):
+    """``njit`` with numba's on-disk cache: compiling the parser takes seconds, loading it from the cache
+    a fraction of one. numba keeps the cache beside this file or, where that is read-only, in the
+    user's cache directory (or NUMBA_CACHE_DIR); if neither is writable, compile in each process."""
+    def wrap(fn):
+        try:
+            return njit(cache=True, **options)(fn)
+        except RuntimeError:  # "cannot cache function ...: no locator available"
+            return njit(**options)(fn)
+    return wrap
+
+
+@_compiled(inline="always")
 def _at(b, i):
     # a byte past the end reads as 0, which no rule accepts: bounds checks in one place
     return b[i] if i < b.size else 0
 
 
-@njit(cache=True, inline="always")
+@_compiled(inline="always")
 def _skip_ws(b, i):
     while i < b.size and (b[i] == 32 or b[i] == 10 or b[i] == 13 or b[i] == 9):
         i += 1
     return i
 
 
-@njit(cache=True, inline="always")
+@_compiled(inline="always")
 def _number(b, i):
     """-> (value, position after it); value -1 if there is no number of 1.._MAX_DIGITS digits
     without a leading zero at ``i``."""
@@ -52,7 +63,7 @@ def _number(b, i):
     return v, j
 
 
-@njit(cache=True)
+@_compiled()
 def _scan(b, vals, m_elem, m_key, m_start, m_nl):
     """One pass over the bytes: every object member (element, key, first value index, number of
     id lists, or -1 for null) and every id in order. -> (status, members, ids, elements, k)."""
@@ -149,7 +160,7 @@ def _scan(b, vals, m_elem, m_key, m_start, m_nl):
     return _OK, nm, nv, n_elem, k
 
 
-@njit(cache=True)
+@_compiled()
 def _build(vals, m_elem, m_key, m_start, m_nl, nm, n_elem, k):
     """The scanned members -> (status, layer ids, prefill counts [L, E], decode picks [N, L, k], T, E),
     checking what the JSON path requires (same token count per prefill layer, each decode step one
