@@ -36,14 +36,16 @@ def _one_blas_thread():
     return threadpool_limits(1, user_api="blas")
 
 
-def _preload_plots() -> None:
+def _preload_plots():
     """Import matplotlib in a background thread while the fit computes: the import is ~0.5 s of the
-    command, and the numpy work it overlaps releases the GIL."""
+    command, and the numpy work it overlaps releases the GIL. -> the thread (join it before leaving)."""
     import threading
 
     from eldr_cli import plots
 
-    threading.Thread(target=plots.plt, name="eldr-preload-plots", daemon=True).start()
+    thread = threading.Thread(target=plots.plt, name="eldr-preload-plots", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
@@ -169,10 +171,9 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
     ``phase_s`` splits the time (reading the trace, each stage with its figures, the manifests).
     """
     t_read = time.perf_counter()
-    if figures:
-        _preload_plots()
     trace = read_trace(trace_path, with_picks=False)
     checks.check_k_range(decoders, int(trace.split_mask(split).sum()))  # fail before any work
+    preload = _preload_plots() if figures else None
     out = Path(out)
     t0 = time.perf_counter()
     phase_s = {"read_trace": round(t0 - t_read, 4)}
@@ -182,28 +183,32 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
         phase_s[name] = round(now - since, 4)
         return now
 
-    with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
-                                                 "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
-                        inputs={"trace": trace_path}) as w:
-        # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
-        t = t0
-        run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
-        t = lap("fit_idf", t)
-        run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
-                          seed=seed, split=split, trace=trace, figures=figures)
-        t = lap("select_layers", t)
-        run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
-                    seed=seed, tau=tau, split=split, trace=trace, figures=figures)
-        t = lap("cluster", t)
-        for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
-            mf = w.path / sub / "manifest.json"
-            mf.write_text(mf.read_text().replace(str(w.path), str(out)))
-        lay = Artifact(w.path / "layers").metrics
-        rt = Artifact(w.path / "routing").metrics
-        w.metrics.update({"transform": Artifact(w.path / "layers").params["transform"],
-                          "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
-                          "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
-                          "objective": rt["objective"],
-                          "fit_s": round(time.perf_counter() - t0, 4), "phase_s": phase_s})
-        lap("finish_manifests", t)
+    try:
+        with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
+                                                     "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
+                            inputs={"trace": trace_path}) as w:
+            # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
+            t = t0
+            run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
+            t = lap("fit_idf", t)
+            run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
+                              seed=seed, split=split, trace=trace, figures=figures)
+            t = lap("select_layers", t)
+            run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
+                        seed=seed, tau=tau, split=split, trace=trace, figures=figures)
+            t = lap("cluster", t)
+            for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
+                mf = w.path / sub / "manifest.json"
+                mf.write_text(mf.read_text().replace(str(w.path), str(out)))
+            lay = Artifact(w.path / "layers").metrics
+            rt = Artifact(w.path / "routing").metrics
+            w.metrics.update({"transform": Artifact(w.path / "layers").params["transform"],
+                              "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
+                              "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
+                              "objective": rt["objective"],
+                              "fit_s": round(time.perf_counter() - t0, 4), "phase_s": phase_s})
+            lap("finish_manifests", t)
+    finally:
+        if preload is not None:  # never leave an import running in a daemon thread at exit
+            preload.join()
     return out
