@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HELP_COMMANDS = [(), ("inspect",), ("synth-trace",), ("fit-idf",), ("select-layers",), ("cluster",), ("fit",),
                  ("serve-proxy",), ("emulate",), ("capture",), ("model",), ("model", "tiny"), ("place-experts",),
                  ("place-experts", "evaluate"), ("bench",), ("bench", "serve"), ("bench", "sweep"),
-                 ("bench", "simulate"), ("bench", "moe-layer"), ("bench", "show")]
+                 ("bench", "simulate"), ("bench", "moe-layer"), ("bench", "cost-model"), ("bench", "show"),
+                 ("report",)]
 ELDR = ROOT / ".venv/bin/eldr" if (ROOT / ".venv/bin/eldr").exists() else Path(sys.executable).with_name("eldr")
 
 
@@ -79,14 +80,21 @@ def bench_fit_small(repeats: int):
             ph[f"{key}_figures"] = fig
         ph["start-up + exit"] = wall - sum(ph.values())
         phases.append(ph)
-    help_s = {}
+    help_s, help_cpu_s, help_failed = {}, {}, {}
     for sub in HELP_COMMANDS:
-        runs = []
+        runs, cpus = [], []
         for _ in range(3):
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter()
-            subprocess.run([str(ELDR), *sub, "--help"], check=True, capture_output=True)
+            r = subprocess.run([str(ELDR), *sub, "--help"], capture_output=True, text=True)
             runs.append(time.perf_counter() - t0)
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime)
+        if r.returncode != 0:  # reported, not timed
+            help_failed[" ".join(sub)] = f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1][:120]}"
+            continue
         help_s[" ".join(sub) or "(top level)"] = statistics.median(runs)
+        help_cpu_s[" ".join(sub) or "(top level)"] = statistics.median(cpus)
     lay = json.loads((tmp / "fit0" / "layers" / "manifest.json").read_text())["metrics"]
     rt = json.loads((tmp / "fit0" / "routing" / "manifest.json").read_text())["metrics"]
     return {
@@ -95,7 +103,8 @@ def bench_fit_small(repeats: int):
         "fit_compute_median_s": statistics.median(fit_s),
         "command_median_s": statistics.median(cmd_s), "command_runs_s": cmd_s, "command_cpu_s": cmd_cpu_s,
         "command_phase_median_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
-        "help_median_s": help_s, "startup_help_median_s": help_s["(top level)"],
+        "help_median_s": help_s, "help_cpu_median_s": help_cpu_s, "help_failed": help_failed,
+        "startup_help_median_s": help_s["(top level)"],
         "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
         "cluster_sizes": rt["cluster_sizes"],
         "note": "generated trace; fit_median_s = run_fit in-process without figures (reading the trace, "
@@ -115,8 +124,11 @@ def phase_table(f):
     t.add_row("  min / CPU of the median run", f"{min(f['command_runs_s']):.2f} / "
               f"{sorted(f['command_cpu_s'])[len(f['command_cpu_s']) // 2]:.2f}")
     slow = {k: v for k, v in f["help_median_s"].items() if v > 0.3}
-    t.add_row(f"--help, {len(f['help_median_s'])} commands: max", f"{max(f['help_median_s'].values()):.2f}")
+    t.add_row(f"--help, {len(f['help_median_s'])} commands: max wall / max CPU",
+              f"{max(f['help_median_s'].values()):.2f} / {max(f['help_cpu_median_s'].values()):.2f}")
     t.add_row("  over 0.3 s", ", ".join(slow) or "none")
+    if f.get("help_failed"):
+        t.add_row("  --help failed", ", ".join(f["help_failed"]))
     return t
 
 

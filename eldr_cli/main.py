@@ -9,6 +9,7 @@ Exit codes: 0 success, 2 anything the user can fix (usage errors, bad files, ref
 from __future__ import annotations
 
 import sys
+from pathlib import PurePath
 
 import typer
 
@@ -48,6 +49,67 @@ def _no_type_for_flags() -> None:
 
     display_type_rich._eldr = True  # type: ignore[attr-defined]
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+def _no_adapter_for_missing_values() -> None:
+    """typer 0.29 builds a pydantic TypeAdapter for each option it processes, also for options that
+    were not given: value None, which its coercion passes through unchanged without the adapter, or
+    the option's own default (a group's options are processed before ``group sub --help``).
+    Importing pydantic for that was ~0.15 s of every ``eldr ... --help``. Those values go through
+    typer's pass-through coercion instead (eldr's defaults are plain values of the declared type);
+    given values are coerced as before."""
+    try:
+        from typer._coercion import PassThroughRuntimeParam
+        from typer.core import _TyperParameter
+        from typer.models import OptionInfo
+    except ImportError:  # pragma: no cover - another typer: leave it alone
+        return
+    if getattr(_TyperParameter.process_value, "_eldr", False):
+        return
+    process = _TyperParameter.process_value
+
+    def process_value(self: _TyperParameter, ctx, value):
+        kind = self.type_descriptor.annotation
+        plain_default = (value is self.default and isinstance(value, (bool, int, float, str, PurePath))
+                         and isinstance(kind, type) and isinstance(value, kind))
+        if not (value is None or plain_default) or self._runtime_param is not None:
+            return process(self, ctx, value)
+        # typer's pass-through: returns a value of the declared type (or None) unchanged
+        self._runtime_param = PassThroughRuntimeParam(parameter_info=OptionInfo(),
+                                                      annotation=kind if plain_default else object)
+        try:
+            return process(self, ctx, value)
+        finally:
+            self._runtime_param = None
+
+    process_value._eldr = True  # type: ignore[attr-defined]
+    _TyperParameter.process_value = process_value  # type: ignore[method-assign]
+
+
+def _help_without_markdown() -> None:
+    """Import typer's help renderer without ``rich.markdown`` (markdown-it, ~50 ms of every --help):
+    eldr's help text is rich markup, never markdown, so typer's ``Markdown`` is never built. A
+    stand-in is visible only while typer.rich_utils imports; should it ever be built, it imports the
+    real class."""
+    import types
+
+    if "typer.rich_utils" in sys.modules or "rich.markdown" in sys.modules:
+        return
+
+    class Markdown:
+        def __new__(cls, *args, **kwargs):
+            from rich.markdown import Markdown as real
+
+            return real(*args, **kwargs)
+
+    stand_in = types.ModuleType("rich.markdown")
+    stand_in.Markdown = Markdown  # type: ignore[attr-defined]
+    sys.modules["rich.markdown"] = stand_in
+    try:
+        import typer.rich_utils  # noqa: F401
+    finally:
+        if sys.modules.get("rich.markdown") is stand_in:
+            del sys.modules["rich.markdown"]
 
 
 def _print_version(value: bool) -> None:
@@ -109,6 +171,10 @@ def run(argv: list[str] | None = None) -> int:
     """
     _register()
     _no_type_for_flags()
+    _no_adapter_for_missing_values()
+    args = sys.argv[1:] if argv is None else argv
+    if not args or "--help" in args:
+        _help_without_markdown()
     click_errors, click_exits, click_aborts = _click_exception_types()
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="eldr")

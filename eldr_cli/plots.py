@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
 
+_LOCK = threading.Lock()  # the fit imports matplotlib in a background thread while it computes
+
 
 def plt():
     """matplotlib.pyplot with the Agg backend and the figures' shared style (imported on first use)."""
-    import matplotlib
+    with _LOCK:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
 
-    pyplot.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "font.size": 9,
-                            "svg.hashsalt": "eldr", "path.simplify": True})
+        pyplot.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "font.size": 9,
+                                "svg.hashsalt": "eldr", "path.simplify": True})
     return pyplot
 
 

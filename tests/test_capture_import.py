@@ -143,6 +143,8 @@ def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
     """Malformed or unusual files: the fast path returns None (the JSON path decides) or, where the
     file is valid after all, the same result; it never accepts what the JSON parse rejects."""
     good = '[{"0": null, "1": [[1, 2], [3, 4]], "3": [[5, 6], [7, 0]]}, {"0": null, "1": [[2, 1]], "3": [[9, 8]]}]'
+    extra_null_key = good.replace('{"0": null, "1": [[2, 1]]', '{"7": null, "1": [[2, 1]]')
+    no_decode_step = good.replace(', {"0": null, "1": [[2, 1]], "3": [[9, 8]]}', "")
     cases = [
         good,
         good.replace("[[1, 2], [3, 4]]", "[1, 2, 3, 4]"),            # token lists flattened
@@ -158,6 +160,14 @@ def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
         good[:-1],                                                # truncated
         good.replace("{", "[", 1),
         good.replace("]]}", "]]]}", 1),
+        good.replace('"0": null, "1"', '"1": [[1, 1], [2, 2]], "1"', 1),  # duplicate key
+        good.replace('{"0": null, "1": [[2, 1]]', '{"0": null, "1": null'),  # MoE layer null in a decode step
+        extra_null_key,  # still valid
+        no_decode_step,  # still valid
+        good.replace(', {"0": null, "1": [[2, 1]], "3": [[9, 8]]}', ", {}"),  # empty decode step
+        good.replace("[[9, 8]]", "[[9, 8], [1, 2]]"),  # two lists in a decode step
+        good + " x",  # trailing garbage
+        "\ufeff" + good,  # byte order mark
     ]
     for i, text in enumerate(cases):
         p = tmp_path / f"{i}.json"
@@ -168,3 +178,6 @@ def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
         if slow is None:
             assert fast is None, text
     assert importer._fast_parse(good.encode()) is not None
+    # valid variants the fast path takes itself (and, above, agrees on with the JSON parse)
+    for text in (extra_null_key, no_decode_step):
+        assert importer._fast_parse(text.encode()) is not None, text

@@ -27,7 +27,7 @@ def serve_proxy_cmd(
                                                  help="Answer 413 above this body size (default 4 MiB)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error (default info)."),
     state: Optional[str] = typer.Option(None, "--state",
-                                        help="local (default) or redis://HOST:PORT[/DB]: share in-flight counts "
+                                        help="local (default) or redis://HOST:PORT\\[/DB]: share in-flight counts "
                                              "and admin changes with other replicas."),
     workers: Optional[int] = typer.Option(None, "--workers",
                                           help="Processes behind one port (SO_REUSEPORT); they share state "

@@ -22,6 +22,32 @@ def _fit_rows(trace: Trace, split: str) -> np.ndarray:
     return np.flatnonzero(trace.split_mask(split))
 
 
+def _one_blas_thread():
+    """The fit's matrix products are small or medium (a 1,000 x 1,000 Gram at most); with OpenBLAS's
+    own threads on a machine whose cores are busy, its spinning threads cost 1.5-2x the CPU time and
+    wall time of the whole command (measured on 2 shared cores). The rank computations run on two
+    threads of their own (signature.spearman_to_target)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: without it BLAS keeps its default threads
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+def _preload_plots():
+    """Import matplotlib in a background thread while the fit computes: the import is ~0.5 s of the
+    command, and the numpy work it overlaps releases the GIL. -> the thread (join it before leaving)."""
+    import threading
+
+    from eldr_cli import plots
+
+    thread = threading.Thread(target=plots.plt, name="eldr-preload-plots", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
                 trace: Trace | None = None) -> Path:
     from eldr_cli.stages.idf import ExpertIDF
@@ -54,8 +80,9 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
     gates = {"gate-prob": trace.prefill_gate_prob, "gate-logit": trace.prefill_gate_logit}
     gates = {k: v[rows] for k, v in gates.items() if v is not None}
     t0 = time.perf_counter()
-    sel = LayerSelector(transform=transform, n_pairs=pairs, seed=seed).fit(
-        trace.prefill_counts[rows], trace.decode_counts[rows], trace.decode_steps[rows], idf, gates)
+    with _one_blas_thread():
+        sel = LayerSelector(transform=transform, n_pairs=pairs, seed=seed).fit(
+            trace.prefill_counts[rows], trace.decode_counts[rows], trace.decode_steps[rows], idf, gates)
     fit_s = time.perf_counter() - t0
     with ArtifactWriter(out, kind="layers", params={"transform": sel.transform_, "requested_transform": transform,
                                                     "pairs": pairs, "seed": seed, "split": split},
@@ -102,7 +129,8 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
     t0 = time.perf_counter()
-    km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
+    with _one_blas_thread():
+        km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
     labels = np.full(trace.n_requests, -1, dtype=np.int32)
     assert km.labels_ is not None  # set by fit
@@ -129,7 +157,8 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
             t_fig = time.perf_counter()
             from eldr_cli import plots
 
-            plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
+            with _one_blas_thread():
+                plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
             w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)
 
@@ -144,6 +173,7 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
     t_read = time.perf_counter()
     trace = read_trace(trace_path, with_picks=False)
     checks.check_k_range(decoders, int(trace.split_mask(split).sum()))  # fail before any work
+    preload = _preload_plots() if figures else None
     out = Path(out)
     t0 = time.perf_counter()
     phase_s = {"read_trace": round(t0 - t_read, 4)}
@@ -153,28 +183,32 @@ def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: st
         phase_s[name] = round(now - since, 4)
         return now
 
-    with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
-                                                 "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
-                        inputs={"trace": trace_path}) as w:
-        # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
-        t = t0
-        run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
-        t = lap("fit_idf", t)
-        run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
-                          seed=seed, split=split, trace=trace, figures=figures)
-        t = lap("select_layers", t)
-        run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
-                    seed=seed, tau=tau, split=split, trace=trace, figures=figures)
-        t = lap("cluster", t)
-        for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
-            mf = w.path / sub / "manifest.json"
-            mf.write_text(mf.read_text().replace(str(w.path), str(out)))
-        lay = Artifact(w.path / "layers").metrics
-        rt = Artifact(w.path / "routing").metrics
-        w.metrics.update({"transform": Artifact(w.path / "layers").params["transform"],
-                          "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
-                          "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
-                          "objective": rt["objective"],
-                          "fit_s": round(time.perf_counter() - t0, 4), "phase_s": phase_s})
-        lap("finish_manifests", t)
+    try:
+        with ArtifactWriter(out, kind="fit", params={"decoders": decoders, "pairs": pairs, "transform": transform,
+                                                     "seed": seed, "tau": tau, "vanilla": vanilla, "split": split},
+                            inputs={"trace": trace_path}) as w:
+            # sub-artifacts record the *final* paths of their inputs so `make` chains stay readable
+            t = t0
+            run_fit_idf(trace_path, w.path / "idf", split=split, trace=trace)
+            t = lap("fit_idf", t)
+            run_select_layers(trace_path, w.path / "idf", w.path / "layers", pairs=pairs, transform=transform,
+                              seed=seed, split=split, trace=trace, figures=figures)
+            t = lap("select_layers", t)
+            run_cluster(trace_path, w.path / "layers", w.path / "routing", decoders=decoders, vanilla=vanilla,
+                        seed=seed, tau=tau, split=split, trace=trace, figures=figures)
+            t = lap("cluster", t)
+            for sub in ("idf", "layers", "routing"):  # name final paths, not the temporary directory
+                mf = w.path / sub / "manifest.json"
+                mf.write_text(mf.read_text().replace(str(w.path), str(out)))
+            lay = Artifact(w.path / "layers").metrics
+            rt = Artifact(w.path / "routing").metrics
+            w.metrics.update({"transform": Artifact(w.path / "layers").params["transform"],
+                              "rho_by_transform": lay["rho_by_transform"], "n_layers_kept": lay["n_layers_kept"],
+                              "rho_peak": lay["rho_peak"], "cluster_sizes": rt["cluster_sizes"],
+                              "objective": rt["objective"],
+                              "fit_s": round(time.perf_counter() - t0, 4), "phase_s": phase_s})
+            lap("finish_manifests", t)
+    finally:
+        if preload is not None:  # never leave an import running in a daemon thread at exit
+            preload.join()
     return out

@@ -11,6 +11,7 @@ from eldr_cli.stages.signature import (
     _rank,
     apply_transform,
     pair_cosine_distance_fast,
+    pair_cosine_distance_transformed,
     sample_pairs,
     spearman_to_target,
 )
@@ -63,20 +64,18 @@ class LayerSelector:
                                 "trace, which this trace lacks")
             candidates = [self.transform]
         self.rho_by_transform_ = {}
-        xs = {}
+        srcs = {name: np.asarray(gates[name] if name.startswith("gate") else pc)[idx] for name in candidates}
         for name in candidates:
-            src = gates[name] if name.startswith("gate") else pc
-            x = apply_transform(np.asarray(src)[idx], name, idf)
-            xs[name] = x
             # all layers: one flat signature per request, so pair dots need no per-layer split
-            d = pair_cosine_distance_fast(x, self.pairs_)
+            d = pair_cosine_distance_transformed(srcs[name], name, idf, self.pairs_)
             self.rho_by_transform_[name] = float(spearman_to_target(d, t)[0])
         if self.transform == "auto":
             servable = {k: v for k, v in self.rho_by_transform_.items() if k in SERVABLE_TRANSFORMS}
             self.transform_ = max(servable, key=lambda n: servable[n])
         else:
             self.transform_ = self.transform
-        self.order_, self.cumulative_rho_ = self._greedy(PairLayerCache(xs[self.transform_], self.pairs_), t)
+        x = apply_transform(srcs[self.transform_], self.transform_, idf)
+        self.order_, self.cumulative_rho_ = self._greedy(PairLayerCache(x, self.pairs_), t)
         self.n_layers_ = int(np.argmax(self.cumulative_rho_)) + 1
         self.mask_ = np.sort(self.order_[: self.n_layers_]).astype(np.int32)
         self.weights_ = np.asarray(idf, dtype=np.float64) if self.transform_ == "count-idf" else np.ones((L, E))
@@ -100,7 +99,7 @@ class LayerSelector:
         remaining = list(range(L))
         while remaining:
             rem = np.asarray(remaining)
-            d = cache.distance(dot[None] + cache.dots[rem], ni[None] + cache.ni[rem], nj[None] + cache.nj[rem])
+            d = cache.distances_adding(dot, ni, nj, rem)
             rhos = spearman_to_target(d, target, resolution="u16")
             b = int(np.argmax(rhos))
             best = int(rem[b])

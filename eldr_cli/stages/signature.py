@@ -188,13 +188,38 @@ def pair_cosine_distance_fast(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     For up to 4096 requests one float32 Gram matrix (a single SGEMM) beats gathering pair rows;
     distances carry float32 rounding (~1e-7), below the float32 resolution rho is ranked at.
     """
-    x = np.asarray(x).reshape(len(x), -1).astype(np.float32)
+    return _pair_cosine_distance_f32(np.asarray(x).reshape(len(x), -1).astype(np.float32), pairs)
+
+
+def _pair_cosine_distance_f32(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """pair_cosine_distance_fast on a float32 [R, D] array it may normalize in place."""
     n = np.linalg.norm(x, axis=1)
     x /= np.where(n > 0, n, 1.0)[:, None]
     if len(x) <= 4096:
         g = x @ x.T
         return 1.0 - g[pairs[:, 0], pairs[:, 1]].astype(np.float64)
     return 1.0 - _grouped_pair_dots(x[:, None, :], pairs)[0]
+
+
+def transformed_f32(src: np.ndarray, transform: str, idf: np.ndarray | None = None, block: int = 64) -> np.ndarray:
+    """``apply_transform(src, transform, idf).astype(np.float32)`` bit for bit, a block of rows at a
+    time: the float64 copy of a whole [R, L, E] source cost more (allocation, page faults, a second
+    pass) than the transform itself."""
+    src = np.asarray(src)
+    out = np.empty(src.shape, dtype=np.float32)
+    for a in range(0, len(src), block):
+        out[a:a + block] = apply_transform(src[a:a + block], transform, idf)  # same float64->float32 cast
+    if len(src) == 0:
+        apply_transform(src, transform, idf)  # still reject an unknown transform
+    return out
+
+
+def pair_cosine_distance_transformed(src: np.ndarray, transform: str, idf: np.ndarray | None,
+                                     pairs: np.ndarray) -> np.ndarray:
+    """``pair_cosine_distance_fast(apply_transform(src, transform, idf), pairs)``, the same float32 values,
+    without the float64 intermediate."""
+    x = transformed_f32(src, transform, idf)
+    return _pair_cosine_distance_f32(x.reshape(len(x), -1), pairs)
 
 
 def signature_quality(sig: np.ndarray, pattern: np.ndarray, pairs: np.ndarray) -> float:
@@ -218,6 +243,27 @@ class PairLayerCache:
         self.norms = np.einsum("rle,rle->lr", x, x)  # [L, R]
         self.ni = self.norms[:, pairs[:, 0]]  # [L, P]
         self.nj = self.norms[:, pairs[:, 1]]
+
+    def distances_adding(self, dot: np.ndarray, ni: np.ndarray, nj: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """[len(layers), P]: ``distance(dot + dots[l], ni + ni[l], nj + nj[l])`` for each layer l, bit for bit,
+        a row at a time in reused buffers (the greedy selection scores ~L^2/2 such rows; gathering
+        [candidates, P] copies first and then walking them several times cost ~3x more)."""
+        out = np.empty((len(layers), len(dot)))
+        den = np.empty_like(dot)
+        tmp = np.empty_like(dot)
+        pos = np.empty(len(dot), dtype=bool)
+        for c, l in enumerate(layers):
+            np.add(ni, self.ni[l], out=den)
+            np.add(nj, self.nj[l], out=tmp)
+            np.multiply(den, tmp, out=den)
+            np.sqrt(den, out=den)
+            np.add(dot, self.dots[l], out=tmp)
+            np.greater(den, 0, out=pos)
+            row = out[c]
+            row.fill(0.0)
+            np.divide(tmp, den, out=row, where=pos)
+            np.subtract(1.0, row, out=row)
+        return out
 
     def distance(self, dot_sum: np.ndarray, ni_sum: np.ndarray, nj_sum: np.ndarray) -> np.ndarray:
         den = np.sqrt(ni_sum * nj_sum)
