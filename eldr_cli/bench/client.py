@@ -248,3 +248,33 @@ def new_event_loop():
         return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover
         return asyncio.new_event_loop()
+
+
+def run_interruptible(loop, coro):
+    """``loop.run_until_complete(coro)`` where Ctrl-C cancels the bench's task (its cleanup runs) and then
+    raises KeyboardInterrupt here, instead of the interrupt landing wherever the loop happens to be, e.g.
+    inside a uvloop transport callback, which printed a traceback of its own."""
+    import signal
+
+    task = loop.create_task(coro)
+    interrupted = []
+
+    def on_sigint() -> None:
+        interrupted.append(True)
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+        return loop.run_until_complete(task)
+    try:
+        result = loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    if interrupted:  # the task swallowed the cancellation: still an interrupt
+        raise KeyboardInterrupt
+    return result

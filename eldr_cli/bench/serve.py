@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from eldr_cli.bench.client import ClientConfig, LiveStats, make_session, new_event_loop, probe, run_schedule
+from eldr_cli.bench.client import (
+    ClientConfig,
+    LiveStats,
+    make_session,
+    new_event_loop,
+    probe,
+    run_interruptible,
+    run_schedule,
+)
 from eldr_cli.bench.workload import ROW_REF_PREFIX, PromptItem, build_schedule
 from eldr_cli.errors import EldrError
 
@@ -299,7 +307,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
     loop = new_event_loop()
     finished = False
     try:
-        runs, frames, steps, meta = loop.run_until_complete(_bench(cfg, items, plan, mode, decode_urls,
+        runs, frames, steps, meta = run_interruptible(loop, _bench(cfg, items, plan, mode, decode_urls,
                                                                     live and console is not None, console))
         finished = True
     finally:
