@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,25 @@ def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
                         hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ...")
 
 
+class _PrefillCost:
+    """``replay.prefill_step_ms`` for the event loop: the same union of prompt experts and the same
+    ``cost.step_ms``, compiled, with each row's own expert count computed once (most prefill steps
+    at these loads hold one request)."""
+
+    def __init__(self, replay: TraceReplay):
+        from eldr_cli.simulator.core import union_active
+
+        self.replay, self.union = replay, union_active
+        self.single = np.bitwise_count(replay.prefill_masks).sum(axis=1).tolist()
+        self.acc = np.zeros(replay.prefill_masks.shape[1], dtype=np.uint64)
+
+    def __call__(self, rows: list[int], tokens: int) -> float:
+        rp = self.replay
+        a = self.single[rows[0]] if len(rows) == 1 else \
+            int(self.union(rp.prefill_masks, np.array(rows, dtype=np.int64), self.acc))
+        return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
+
+
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
@@ -108,13 +128,15 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     sigs = signatures if signatures is not None else {}
     prefill_done_t = np.full(n, np.nan)
     ptoks = replay.prompt_tokens
+    req_tok = ptoks[req_row].tolist()
+    prefill_ms = _PrefillCost(replay)
 
     def start_prefill(p: int, t: float):
         nonlocal seq
         q = pq[p]
-        k = prefill_batch([int(ptoks[req_row[r]]) for r in list(q)[:64]], prefill_max_tokens)
+        k = prefill_batch([req_tok[r] for r in islice(q, 64)], prefill_max_tokens)
         batch = [q.popleft() for _ in range(k)]
-        ms, _ = replay.prefill_step_ms(req_row[batch])
+        ms = prefill_ms([int(req_row[r]) for r in batch], sum(req_tok[r] for r in batch))
         busy[p] = True
         seq += 1
         heapq.heappush(events, (t + max(ms, 0.01) / 1e3, seq, p, batch))

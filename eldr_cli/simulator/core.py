@@ -148,6 +148,23 @@ def advance(until, adm_d, adm_rid, adm_t, masks, req, reqf, wk, run, qbuf, step_
     return 0
 
 
+def served_masks(replay, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode masks of the served rows only, contiguous (a run serves a split of the trace: a smaller
+    table stays in cache), and each request's offset into it. A row without captured decode steps
+    replays one empty (all-zero) mask, the table's last row."""
+    u = np.unique(rows)
+    st = replay.steps.astype(np.int64)[u]
+    keep, kst = u[st > 0], st[st > 0]
+    start = np.concatenate([[0], np.cumsum(kst)])
+    src = np.repeat(replay.offsets[keep] - start[:-1], kst) + np.arange(int(start[-1]), dtype=np.int64)
+    masks = np.vstack([replay.decode_masks[src], np.zeros((1, replay.decode_masks.shape[1]), dtype=np.uint64)])
+    pos = np.searchsorted(keep, rows)
+    has = (pos < len(keep)) & (keep[np.minimum(pos, max(len(keep) - 1, 0))] == rows) if len(keep) else \
+        np.zeros(len(rows), dtype=bool)
+    off = np.where(has, start[np.minimum(pos, len(keep))], len(src))
+    return np.ascontiguousarray(masks), off.astype(np.int64)
+
+
 _NO_I = np.zeros(0, dtype=np.int64)
 _NO_F = np.zeros(0, dtype=np.float64)
 
@@ -158,12 +175,11 @@ class DecodePool:
     def __init__(self, replay, n_workers: int, req_row: np.ndarray, req_max: np.ndarray, req_meas: np.ndarray,
                  max_seqs: int = 256, log_capacity: int = 1 << 16):
         n = len(req_row)
-        self.masks = replay.decode_masks
         rows = np.asarray(req_row, dtype=np.int64)
+        self.masks, off = served_masks(replay, rows)
         st = replay.steps.astype(np.int64)[rows]
         self.req = np.zeros((6, n), dtype=np.int64)
-        # a row without captured decode steps replays one empty (all-zero) mask
-        self.req[R_OFF] = np.where(st > 0, replay.offsets[rows], replay._empty)
+        self.req[R_OFF] = off
         self.req[R_ST] = np.maximum(st, 1)
         self.req[R_MAX] = np.maximum(req_max, 1)
         self.req[R_MEAS] = np.asarray(req_meas, dtype=bool)
