@@ -42,11 +42,15 @@ def _pack_picks(picks: np.ndarray, L: int, E: int) -> np.ndarray:
     S = picks.shape[0]
     W = max(1, (L * E + 63) // 64)
     p = picks.astype(np.int64, copy=False)
+    bit = np.arange(L, dtype=np.int64)[None, :, None] * E + p          # [S, L, k]
+    word = bit >> 6
+    word += (np.arange(S, dtype=np.int64) * W)[:, None, None]
+    val = np.left_shift(np.uint64(1), (bit & 63).astype(np.uint64))
     valid = (p >= 0) & (p < E)
-    bit = (np.arange(L, dtype=np.int64)[None, :, None] * E + p)[valid]
-    row = np.broadcast_to(np.arange(S, dtype=np.int64)[:, None, None], p.shape)[valid]
+    if not valid.all():
+        word, val = word[valid], val[valid]
     words = np.zeros(S * W, dtype=np.uint64)
-    np.bitwise_or.at(words, row * W + (bit >> 6), np.left_shift(np.uint64(1), (bit & 63).astype(np.uint64)))
+    np.bitwise_or.at(words, word.ravel(), val.ravel())
     return words.reshape(S, W)
 
 
