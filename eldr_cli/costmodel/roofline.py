@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -198,13 +199,17 @@ class RooflineCostModel(CostModel):
         assert self.roofline is not None
         return self.roofline
 
-    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+    @cached_property
+    def _terms(self) -> tuple[float, ...]:
         return self._roof().step_terms()
+
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+        return self._terms
 
     def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
                 context=None) -> float:
         c = 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
-        return terms_ms(self._roof().step_terms(), active_total, tokens, c)
+        return terms_ms(self._terms, active_total, tokens, c)
 
     @classmethod
     def from_params(cls, p: dict) -> "RooflineCostModel":

@@ -23,8 +23,9 @@ import numpy as np
 from numba import njit
 
 INF = np.inf
-# rows of the packed per-request int64 state
-R_OFF, R_ST, R_NTOK, R_MAX, R_MEAS, R_CTX0 = range(6)
+# rows of the packed per-request int64 state; R_CUR = R_OFF + R_NTOK mod R_ST (the mask of its next step),
+# kept up to date instead of divided out at every request-step
+R_OFF, R_ST, R_NTOK, R_MAX, R_MEAS, R_CTX0, R_CUR = range(7)
 # rows of the packed per-worker int64 state
 W_NRUN, W_QHEAD, W_QTAIL, W_INFLIGHT = range(4)
 LOG_FIELDS = ("worker", "t_s", "batch", "active_experts", "step_ms", "measured_itls")
@@ -89,7 +90,7 @@ def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, acc, log, cnt)
     for i in range(B):
         rid = run[d, i]
         ntok = req[R_NTOK, rid]
-        idx = req[R_OFF, rid] + ntok % req[R_ST, rid]
+        idx = req[R_CUR, rid]
         for w in range(W):
             acc[w] |= masks[idx, w]
         if req[R_MEAS, rid] != 0 and ntok >= 1:
@@ -135,6 +136,9 @@ def advance(until, adm_d, adm_rid, adm_t, masks, req, reqf, wk, run, qbuf, step_
             for i in range(B):
                 rid = run[d, i]
                 req[R_NTOK, rid] += 1
+                req[R_CUR, rid] += 1
+                if req[R_CUR, rid] >= req[R_OFF, rid] + req[R_ST, rid]:
+                    req[R_CUR, rid] = req[R_OFF, rid]  # past the captured steps: wrap to the first
                 if req[R_NTOK, rid] == 1:
                     reqf[0, rid] = t
                 if req[R_NTOK, rid] >= req[R_MAX, rid]:
@@ -178,8 +182,9 @@ class DecodePool:
         rows = np.asarray(req_row, dtype=np.int64)
         self.masks, off = served_masks(replay, rows)
         st = replay.steps.astype(np.int64)[rows]
-        self.req = np.zeros((6, n), dtype=np.int64)
+        self.req = np.zeros((7, n), dtype=np.int64)
         self.req[R_OFF] = off
+        self.req[R_CUR] = off
         self.req[R_ST] = np.maximum(st, 1)
         self.req[R_MAX] = np.maximum(req_max, 1)
         self.req[R_MEAS] = np.asarray(req_meas, dtype=bool)
