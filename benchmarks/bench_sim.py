@@ -224,7 +224,8 @@ def main(argv=None) -> int:
 
 
 def speed_row(t2, s: dict) -> None:
-    t2.add_row("simulator 8P16D, 5 rates x 150 s x 7 routers (generated L=48 E=128 trace, roofline)",
+    t2.add_row(f"simulator 8P16D, {len(s['rates'])} rates x {s['duration_s'] + s['warmup_s']:g} s x "
+               f"{len(s['routers'])} routers (generated L=48 E=128 trace, roofline)",
                f"{s['wall_s']:.1f} s wall, {s['cpu_s']:.1f} s CPU (load avg {s['load_avg_1min_start']:.1f} -> "
                f"{s['load_avg_1min_end']:.1f} on {os.cpu_count()} cores, {s['workers']} processes) "
                f"({s['requests']} requests, {s['decode_steps']} decode steps)", "<= 30 s")
