@@ -248,7 +248,7 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
                                    burstiness=burstiness, seed=seed) for rate in rates}
     tasks = [(rate, router) for rate in rates for router in routers]
     kw: dict = dict(n_prefill=n_prefill, n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau, seed=seed,
-              max_seqs=max_seqs, signatures={}, item_rows=item_rows, oracle=oracle)
+                    max_seqs=max_seqs, signatures={}, item_rows=item_rows, oracle=oracle)
     n_req = sum(len(scheds[r]) for r, _ in tasks)
     for (rate, router), (rows, steps, facts) in zip(tasks, _run_tasks(replay, items, scheds, tasks, kw, workers,
                                                                        n_req), strict=True):
