@@ -38,14 +38,24 @@ class CostModel:
         at top-8 pays half the per-token MoE term (the expert-weight term b is unaffected)."""
         return float(top_k) / self.top_k if top_k and self.top_k else 1.0
 
-    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0) -> float:
-        """One step: ``active_total`` = sum over the L layers of distinct active experts."""
+    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
+                context=None) -> float:
+        """One step: ``active_total`` = sum over the L layers of distinct active experts. ``context`` (the
+        running requests' context lengths) feeds a GPU roofline's KV term; a layer timed on this CPU has
+        no KV term, so it is ignored here."""
         return (n_layers * (self.a_ms + self.c_ms * token_scale * tokens + self.e_ms + self.d_ms * tokens)
                 + self.b_ms * active_total)
 
     def coefficients(self, token_scale: float = 1.0) -> tuple[float, float, float]:
         """(per-step constant per layer, per active expert, per token per layer) for fast loops."""
         return (self.a_ms + self.e_ms, self.b_ms, self.c_ms * token_scale + self.d_ms)
+
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+        """The simulator's step form ``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` (A = active
+        experts summed over layers, B = requests, C = their summed context) as
+        (const, kb, kt, m0, kv, kc, ka, has_roof). A linear model has no memory constant, KV or roof."""
+        k0, kb, kt = self.coefficients(token_scale)
+        return (n_layers * k0, kb, n_layers * kt, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def as_params(self) -> dict:
         return asdict(self)
@@ -59,6 +69,10 @@ class CostModel:
             raise EldrError(f"{p} is a file; a cost model is an artifact directory",
                             hint="write one with `eldr bench moe-layer --out DIR`")
         art = Artifact(p, kind=KIND)
+        if art.params.get("source") == "roofline" and "facts" in art.params:
+            from eldr_cli.costmodel.roofline import RooflineCostModel
+
+            return RooflineCostModel.from_params(art.params)
         c = art.params["coefficients_ms"]
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -128,22 +129,34 @@ class Roofline:
         w = DTYPE_BYTES[self.dtype]
         return self.facts.dense_params * w / self.tp + active_total * self.facts.expert_params * w / self.ep
 
+    def step_terms(self) -> tuple[float, ...]:
+        """The step as a linear decomposition, all in ms: (const, kb, kt, m0, kv, kc, ka, has_roof) with
+        ``step = const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A distinct active experts summed
+        over MoE layers, B requests and C their summed context (tokens). The simulator's compiled loop
+        evaluates exactly this form; :meth:`memory_ms`, :meth:`compute_ms`, :meth:`step_ms` use it too."""
+        f, w = self.facts, DTYPE_BYTES[self.dtype]
+        bw, fl = self.bytes_per_s / 1e3, self.flops_per_s / 1e3  # per ms
+        return (f.n_layers * self.overhead_us / 1e3,
+                f.expert_params * w / self.ep / bw,
+                0.0,
+                f.dense_params * w / self.tp / bw,
+                f.kv_elems_per_token_layer * f.n_layers * KV_BYTES / self.tp / bw,
+                2 * (f.dense_params / self.tp + f.top_k * f.moe_layers * f.expert_params / self.ep) / fl,
+                2 * f.attn_dim * f.n_layers / self.tp / fl,
+                1.0)
+
     def memory_ms(self, active_total: float, context_tokens: float) -> float:
-        kv = context_tokens * self.facts.kv_elems_per_token_layer * self.facts.n_layers * KV_BYTES / self.tp
-        return (self.weights_read_bytes(active_total) + kv) / self.bytes_per_s * 1e3
+        _, kb, _, m0, kv, _, _, _ = self.step_terms()
+        return m0 + kb * active_total + kv * context_tokens
 
     def compute_ms(self, batch: int, context_tokens: float) -> float:
-        f = self.facts
-        weights = batch * (f.dense_params / self.tp + f.top_k * f.moe_layers * f.expert_params / self.ep)
-        attn = 2 * context_tokens * f.attn_dim * f.n_layers / self.tp
-        return 2 * (weights + attn) / self.flops_per_s * 1e3
+        _, _, _, _, _, kc, ka, _ = self.step_terms()
+        return kc * batch + ka * context_tokens
 
     def step_ms(self, active_total: float, contexts) -> float:
         """One decode step: ``contexts`` = each running request's current context length (tokens)."""
         ctx = np.asarray(contexts, dtype=float)
-        tot = float(ctx.sum())
-        return (max(self.memory_ms(active_total, tot), self.compute_ms(int(ctx.size), tot))
-                + self.facts.n_layers * self.overhead_us / 1e3)
+        return terms_ms(self.step_terms(), active_total, int(ctx.size), float(ctx.sum()))
 
     def moe_layer_ms(self, batch: int, active: int) -> float:
         """One MoE layer's expert computation alone (the quantity of the paper's Fig. 2)."""
@@ -160,6 +173,54 @@ class Roofline:
         return CostModel(a_ms=(dense_ms + f.n_layers * self.overhead_us / 1e3) / L,
                          b_ms=self.expert_bytes / self.ep / self.bytes_per_s * 1e3, c_ms=kv_ms / L,
                          source="roofline", device="", top_k=None)
+
+
+def terms_ms(terms, active_total: float, batch: float, context: float) -> float:
+    """Evaluate :meth:`Roofline.step_terms` (the simulator's compiled ``step_time`` mirrors this)."""
+    const, kb, kt, m0, kv, kc, ka, roof = terms
+    mem = m0 + kb * active_total + kv * context
+    if roof:
+        mem = max(mem, kc * batch + ka * context)
+    return const + mem + kt * batch
+
+
+@dataclass(frozen=True)
+class RooflineCostModel(CostModel):
+    """A roofline `cost-model` artifact in the interface the simulator and emulator use. With ``context``
+    (the running requests' context lengths) a step is the roofline itself, KV of every request at its own
+    context included; without it (a prefill step), the roofline with no KV read. ``coefficients`` stays
+    the artifact's memory-bound linearisation (KV at its ``reference_context``) for callers that need
+    a linear form."""
+
+    roofline: Roofline | None = None
+    reference_context: int = 0
+
+    def _roof(self) -> Roofline:
+        assert self.roofline is not None
+        return self.roofline
+
+    @cached_property
+    def _terms(self) -> tuple[float, ...]:
+        return self._roof().step_terms()
+
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+        return self._terms
+
+    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
+                context=None) -> float:
+        c = 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
+        return terms_ms(self._terms, active_total, tokens, c)
+
+    @classmethod
+    def from_params(cls, p: dict) -> "RooflineCostModel":
+        """From the params of an artifact written by :func:`run_cost_model`."""
+        r = Roofline(ModelFacts(**p["facts"]), float(p["hbm_tbps"]), float(p["tflops_bf16"]), dtype=p["dtype"],
+                     tp=int(p["tp"]), ep=int(p["ep"]), efficiency=float(p["bandwidth_efficiency"]),
+                     overhead_us=float(p["overhead_us_per_layer"]))
+        c = p["coefficients_ms"]
+        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
+                   source="roofline", device=p.get("device", ""), top_k=p.get("top_k"), roofline=r,
+                   reference_context=int(p.get("reference_context", 0)))
 
 
 def calibrate(efficiency: float = BANDWIDTH_EFFICIENCY) -> float:

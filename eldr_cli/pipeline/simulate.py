@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,25 @@ def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
                         hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ...")
 
 
+class _PrefillCost:
+    """``replay.prefill_step_ms`` for the event loop: the same union of prompt experts and the same
+    ``cost.step_ms``, compiled, with each row's own expert count computed once (most prefill steps
+    at these loads hold one request)."""
+
+    def __init__(self, replay: TraceReplay):
+        from eldr_cli.simulator.core import union_active
+
+        self.replay, self.union = replay, union_active
+        self.single = np.bitwise_count(replay.prefill_masks).sum(axis=1).tolist()
+        self.acc = np.zeros(replay.prefill_masks.shape[1], dtype=np.uint64)
+
+    def __call__(self, rows: list[int], tokens: int) -> float:
+        rp = self.replay
+        a = self.single[rows[0]] if len(rows) == 1 else \
+            int(self.union(rp.prefill_masks, np.array(rows, dtype=np.int64), self.acc))
+        return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
+
+
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
@@ -108,13 +128,15 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     sigs = signatures if signatures is not None else {}
     prefill_done_t = np.full(n, np.nan)
     ptoks = replay.prompt_tokens
+    req_tok = ptoks[req_row].tolist()
+    prefill_ms = _PrefillCost(replay)
 
     def start_prefill(p: int, t: float):
         nonlocal seq
         q = pq[p]
-        k = prefill_batch([int(ptoks[req_row[r]]) for r in list(q)[:64]], prefill_max_tokens)
+        k = prefill_batch([req_tok[r] for r in islice(q, 64)], prefill_max_tokens)
         batch = [q.popleft() for _ in range(k)]
-        ms, _ = replay.prefill_step_ms(req_row[batch])
+        ms = prefill_ms([int(req_row[r]) for r in batch], sum(req_tok[r] for r in batch))
         busy[p] = True
         seq += 1
         heapq.heappush(events, (t + max(ms, 0.01) / 1e3, seq, p, batch))
@@ -181,8 +203,11 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
                  split: str = "evaluation", routers: list[str], rates: list[float], n_prefill: int = 8,
                  n_decode: int = 16, duration_s: float = 120.0, warmup_s: float = 30.0, max_tokens: int = 512,
                  burstiness: float = 1.0, routing: str | Path | None = None, tau: float | None = None,
-                 seed: int = 0, max_seqs: int = 256, title: str = "", progress=None) -> Path:
-    """Simulate every (router, rate) and write a bench artifact with mode=simulated."""
+                 seed: int = 0, max_seqs: int = 256, title: str = "", progress=None,
+                 workers: int | None = None) -> Path:
+    """Simulate every (router, rate) and write a bench artifact with mode=simulated. ``workers``: processes
+    for the independent (router, rate) runs (None: up to 2 when the CPU has them and the runs are big
+    enough to pay for a fork; each run is seeded on its own, so the result is the same for any value)."""
     import polars as pl
 
     from eldr_cli.artifacts.trace import read_trace
@@ -219,28 +244,27 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
                              signature=model.signature if model is not None else None)
     t0 = time.perf_counter()
     runs, req_rows, step_frames = [], [], []
-    sigs: dict = {}
-    for rate in rates:
-        sched = build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s, burstiness=burstiness,
-                               seed=seed)
-        for router in routers:
-            rows, steps, facts = simulate_run(replay, items, sched, router=router, n_prefill=n_prefill,
-                                              n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau,
-                                              seed=seed, max_seqs=max_seqs, signatures=sigs, item_rows=item_rows,
-                                              oracle=oracle)
-            df = requests_frame_from_columns(rows, len(rows["router"]))
-            meas = steps["measured_itls"]
-            s = summarize(df, request_rate=rate, router=router, mode="simulated", burstiness=burstiness,
-                          itl_values=steps["step_ms"], itl_weights=meas,
-                          extra={"mean_active_experts_per_step": float(steps["active_experts"].mean() / replay.n_layers)
-                                 if len(meas) else None,
-                                 "mean_decode_batch": float(steps["batch"].mean()) if len(meas) else None,
-                                 "decode_steps": int(len(meas)), **facts})
-            runs.append(s)
-            req_rows.append(df)
-            step_frames.append(pl.DataFrame({"router": router, "request_rate": float(rate), **steps}))
-            if progress:
-                progress(router, rate, s)
+    scheds = {rate: build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s,
+                                   burstiness=burstiness, seed=seed) for rate in rates}
+    tasks = [(rate, router) for rate in rates for router in routers]
+    kw: dict = dict(n_prefill=n_prefill, n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau, seed=seed,
+                    max_seqs=max_seqs, signatures={}, item_rows=item_rows, oracle=oracle)
+    n_req = sum(len(scheds[r]) for r, _ in tasks)
+    for (rate, router), (rows, steps, facts) in zip(tasks, _run_tasks(replay, items, scheds, tasks, kw, workers,
+                                                                       n_req), strict=True):
+        df = requests_frame_from_columns(rows, len(rows["router"]))
+        meas = steps["measured_itls"]
+        s = summarize(df, request_rate=rate, router=router, mode="simulated", burstiness=burstiness,
+                      itl_values=steps["step_ms"], itl_weights=meas,
+                      extra={"mean_active_experts_per_step": float(steps["active_experts"].mean() / replay.n_layers)
+                             if len(meas) else None,
+                             "mean_decode_batch": float(steps["batch"].mean()) if len(meas) else None,
+                             "decode_steps": int(len(meas)), **facts})
+        runs.append(s)
+        req_rows.append(df)
+        step_frames.append(pl.DataFrame({"router": router, "request_rate": float(rate), **steps}))
+        if progress:
+            progress(router, rate, s)
     wall = time.perf_counter() - t0
     inputs = {"trace": trace, "cost_model": cost_model}
     if routing is not None:
@@ -255,6 +279,39 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         runs=runs, requests=pl.concat(req_rows), steps=pl.concat(step_frames), inputs=inputs, title=title,
         n_layers=replay.n_layers, num_experts=replay.num_experts,
         extra={"simulate_wall_s": wall, "oracle_share": oracle_shares(runs)})
+
+
+_JOB: dict = {}  # the shared inputs of a parallel simulate, inherited by forked workers (not pickled)
+PARALLEL_MIN_REQUESTS = 20000
+
+
+def _run_task(i: int):
+    j = _JOB
+    rate, router = j["tasks"][i]
+    return simulate_run(j["replay"], j["items"], j["scheds"][rate], router=router, **j["kw"])
+
+
+def _run_tasks(replay, items, scheds, tasks, kw, workers, n_req):
+    """Results of the (rate, router) runs in task order, serially or over forked worker processes."""
+    import multiprocessing as mp
+    import os
+
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1) if n_req >= PARALLEL_MIN_REQUESTS else 1
+    workers = max(1, min(int(workers), len(tasks)))
+    _JOB.update(replay=replay, items=items, scheds=scheds, tasks=tasks, kw=kw)
+    try:
+        if workers == 1 or "fork" not in mp.get_all_start_methods():
+            yield from map(_run_task, range(len(tasks)))
+            return
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: the workers inherit the replay, prompts and compiled loops instead of rebuilding them; they
+        # only run numpy, numba and the routing objects (no polars, whose threads do not survive a fork)
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as ex:
+            yield from ex.map(_run_task, range(len(tasks)))
+    finally:
+        _JOB.clear()
 
 
 LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")

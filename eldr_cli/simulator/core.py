@@ -1,15 +1,20 @@
 """The decode side of the simulator: D decode workers doing continuous batching in virtual time.
 
-Semantics (the same as the emulator's decode worker, eldr_cli/emulator/server.py):
+Semantics (the same as the emulator's decode worker, eldr_cli/emulator/workers.py):
 - a step starts with the running set R (requests admitted before it started, at most ``max_seqs``);
-- its time is ``CostModel.step_ms(union of R's current-step experts, L, |R|)``;
+- its time is ``cost.step_ms(union of R's current-step experts, L, |R|, context=R's context lengths)``,
+  evaluated here from ``cost.step_terms`` (see :func:`step_time`); a request's context is its prompt
+  tokens plus the tokens generated so far (the KV a GPU step reads; a measured CPU model ignores it);
 - when it ends every request in R gets one token (its first token if it had none); requests that
   reached their max tokens finish; the next step starts at once with R minus the finished plus the
   queued requests (FIFO) -- a request arriving mid-step waits for the step boundary;
 - an idle worker starts a step as soon as a request arrives.
 
-The loops are numba-compiled (``nopython``) because 8P16D x 5 rates x 150 s x 6 routers is millions
-of steps; the routing decision stays in Python and calls ``eldr_cli.stages.routing`` (see simulate.py).
+The loops are numba-compiled (``nopython``): 8P16D x 5 rates x 150 s x 7 routers is millions of steps
+and ~10^8 request-steps. The routing decision stays in Python and calls ``eldr_cli.stages.routing`` (see
+simulate.py); admissions are queued in Python and applied by the next :meth:`DecodePool.advance`, so a
+prefill hand-off costs one compiled call. State lives in a few packed arrays because every array
+argument of a compiled call costs a type check on each of the ~10^5 calls of a run.
 """
 
 from __future__ import annotations
@@ -18,6 +23,13 @@ import numpy as np
 from numba import njit
 
 INF = np.inf
+# rows of the packed per-request int64 state; R_CUR = R_OFF + R_NTOK mod R_ST (the mask of its next step),
+# kept up to date instead of divided out at every request-step
+R_OFF, R_ST, R_NTOK, R_MAX, R_MEAS, R_CTX0, R_CUR = range(7)
+# rows of the packed per-worker int64 state
+W_NRUN, W_QHEAD, W_QTAIL, W_INFLIGHT = range(4)
+LOG_FIELDS = ("worker", "t_s", "batch", "active_experts", "step_ms", "measured_itls")
+LOG_DTYPES = (np.int32, np.float64, np.int32, np.int32, np.float64, np.int32)
 
 
 @njit(cache=True, inline="always")
@@ -28,165 +40,222 @@ def _popcount64(x):
     return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
 
 
+@njit(cache=True, inline="always")
+def step_time(terms, active, batch, context):
+    """``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` (ms), C = summed context of the batch;
+    ``terms`` = cost.step_terms(): (const, kb, kt, m0, kv, kc, ka, has_roof). Without a roof (a measured
+    linear model) the memory form is taken as is, so ``const + kb*A + kt*B`` is evaluated in the same
+    order as before and gives bit-identical times."""
+    mem = terms[3] + terms[1] * active + terms[4] * context
+    if terms[7] != 0.0:
+        comp = terms[5] * batch + terms[6] * context
+        if comp > mem:
+            mem = comp
+    return terms[0] + mem + terms[2] * batch
+
+
 @njit(cache=True)
-def _start_step(d, t, masks, offsets, steps, empty, req_row, req_ntok, req_meas, run, nrun, qbuf, qhead, qtail,
-                step_end, max_seqs, k0, kb, kt, log_dec, log_t, log_batch, log_active, log_ms, log_meas, log_n):
-    while nrun[d] < max_seqs and qhead[d] < qtail[d]:
-        run[d, nrun[d]] = qbuf[d, qhead[d]]
-        nrun[d] += 1
-        qhead[d] += 1
-    B = nrun[d]
+def union_active(masks, rows, acc):
+    """Sum over words of the popcount of the OR of ``masks[rows]`` (prefill batches)."""
+    W = masks.shape[1]
+    for w in range(W):
+        acc[w] = 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for w in range(W):
+            acc[w] |= masks[r, w]
+    active = 0
+    for w in range(W):
+        active += _popcount64(acc[w])
+    return active
+
+
+@njit(cache=True)
+def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, acc, log, cnt):
+    max_seqs = run.shape[1]
+    while wk[W_NRUN, d] < max_seqs and wk[W_QHEAD, d] < wk[W_QTAIL, d]:
+        run[d, wk[W_NRUN, d]] = qbuf[d, wk[W_QHEAD, d]]
+        wk[W_NRUN, d] += 1
+        wk[W_QHEAD, d] += 1
+    B = wk[W_NRUN, d]
     if B == 0:
         step_end[d] = INF
         return
     W = masks.shape[1]
-    active = 0
+    # row-wise: each running request's current-step mask is one contiguous row of W words
     for w in range(W):
-        acc = np.uint64(0)
-        for i in range(B):
-            rid = run[d, i]
-            row = req_row[rid]
-            st = steps[row]
-            idx = empty if st == 0 else offsets[row] + req_ntok[rid] % st
-            acc |= masks[idx, w]
-        active += _popcount64(acc)
+        acc[w] = 0
     meas = 0
+    ctx = 0.0
     for i in range(B):
         rid = run[d, i]
-        if req_meas[rid] and req_ntok[rid] >= 1:
+        ntok = req[R_NTOK, rid]
+        idx = req[R_CUR, rid]
+        for w in range(W):
+            acc[w] |= masks[idx, w]
+        if req[R_MEAS, rid] != 0 and ntok >= 1:
             meas += 1
-    ms = k0 + kb * active + kt * B
+        ctx += float(req[R_CTX0, rid] + ntok)  # prompt + generated: the KV this step reads
+    active = 0
+    for w in range(W):
+        active += _popcount64(acc[w])
+    ms = step_time(terms, active, B, ctx)
     if ms < 0.01:
         ms = 0.01
     step_end[d] = t + ms / 1000.0
-    j = log_n[0]
-    log_dec[j] = d
-    log_t[j] = t
-    log_batch[j] = B
-    log_active[j] = active
-    log_ms[j] = ms
-    log_meas[j] = meas
-    log_n[0] = j + 1
+    j = cnt[0]
+    log[0, j] = d
+    log[1, j] = t
+    log[2, j] = B
+    log[3, j] = active
+    log[4, j] = ms
+    log[5, j] = meas
+    cnt[0] = j + 1
 
 
 @njit(cache=True)
-def advance(until, masks, offsets, steps, empty, req_row, req_ntok, req_max, req_meas, req_first, req_finish,
-            run, nrun, qbuf, qhead, qtail, inflight, step_end, max_seqs, k0, kb, kt,
-            log_dec, log_t, log_batch, log_active, log_ms, log_meas, log_n):
-    """Run every decode worker's steps that end at or before ``until``. Returns 0, or -1 when the
-    step log is nearly full (grow it and call again: state is kept in the arrays)."""
-    cap = log_dec.shape[0]
+def advance(until, adm_d, adm_rid, adm_t, masks, req, reqf, wk, run, qbuf, step_end, terms, acc, log, cnt):
+    """Apply the queued admissions (in order), then run every worker's steps that end at or before
+    ``until``. Returns 0, or -1 when the step log is nearly full (grow it and call again with no
+    admissions: they were applied, and the rest of the state is kept in the arrays)."""
+    for a in range(adm_d.shape[0]):
+        d, rid = adm_d[a], adm_rid[a]
+        qbuf[d, wk[W_QTAIL, d]] = rid
+        wk[W_QTAIL, d] += 1
+        if step_end[d] == INF:
+            _start_step(d, adm_t[a], masks, req, wk, run, qbuf, step_end, terms, acc, log, cnt)
+    cap = log.shape[1]
     D = step_end.shape[0]
     for d in range(D):
         while step_end[d] <= until and step_end[d] < INF:
-            if log_n[0] >= cap - 1:
+            if cnt[0] >= cap - 1:
                 return -1
             t = step_end[d]
-            B = nrun[d]
+            B = wk[W_NRUN, d]
             k = 0
             for i in range(B):
                 rid = run[d, i]
-                req_ntok[rid] += 1
-                if req_ntok[rid] == 1:
-                    req_first[rid] = t
-                if req_ntok[rid] >= req_max[rid]:
-                    req_finish[rid] = t
-                    inflight[d] -= 1
+                req[R_NTOK, rid] += 1
+                req[R_CUR, rid] += 1
+                if req[R_CUR, rid] >= req[R_OFF, rid] + req[R_ST, rid]:
+                    req[R_CUR, rid] = req[R_OFF, rid]  # past the captured steps: wrap to the first
+                if req[R_NTOK, rid] == 1:
+                    reqf[0, rid] = t
+                if req[R_NTOK, rid] >= req[R_MAX, rid]:
+                    reqf[1, rid] = t
+                    wk[W_INFLIGHT, d] -= 1
                 else:
                     run[d, k] = rid
                     k += 1
-            nrun[d] = k
-            _start_step(d, t, masks, offsets, steps, empty, req_row, req_ntok, req_meas, run, nrun, qbuf, qhead,
-                        qtail, step_end, max_seqs, k0, kb, kt, log_dec, log_t, log_batch, log_active, log_ms,
-                        log_meas, log_n)
+            wk[W_NRUN, d] = k
+            _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, acc, log, cnt)
     return 0
 
 
-@njit(cache=True)
-def admit(d, rid, t, masks, offsets, steps, empty, req_row, req_ntok, req_meas, run, nrun, qbuf, qhead, qtail,
-          inflight, step_end, max_seqs, k0, kb, kt, log_dec, log_t, log_batch, log_active, log_ms, log_meas, log_n):
-    qbuf[d, qtail[d]] = rid
-    qtail[d] += 1
-    inflight[d] += 1
-    if step_end[d] == INF:
-        _start_step(d, t, masks, offsets, steps, empty, req_row, req_ntok, req_meas, run, nrun, qbuf, qhead, qtail,
-                    step_end, max_seqs, k0, kb, kt, log_dec, log_t, log_batch, log_active, log_ms, log_meas, log_n)
+def served_masks(replay, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The decode masks of the served rows only, contiguous (a run serves a split of the trace: a smaller
+    table stays in cache), and each request's offset into it. A row without captured decode steps
+    replays one empty (all-zero) mask, the table's last row."""
+    u = np.unique(rows)
+    st = replay.steps.astype(np.int64)[u]
+    keep, kst = u[st > 0], st[st > 0]
+    start = np.concatenate([[0], np.cumsum(kst)])
+    src = np.repeat(replay.offsets[keep] - start[:-1], kst) + np.arange(int(start[-1]), dtype=np.int64)
+    masks = np.vstack([replay.decode_masks[src], np.zeros((1, replay.decode_masks.shape[1]), dtype=np.uint64)])
+    pos = np.searchsorted(keep, rows)
+    has = (pos < len(keep)) & (keep[np.minimum(pos, max(len(keep) - 1, 0))] == rows) if len(keep) else \
+        np.zeros(len(rows), dtype=bool)
+    off = np.where(has, start[np.minimum(pos, len(keep))], len(src))
+    return np.ascontiguousarray(masks), off.astype(np.int64)
+
+
+_NO_I = np.zeros(0, dtype=np.int64)
+_NO_F = np.zeros(0, dtype=np.float64)
 
 
 class DecodePool:
     """State of D simulated decode workers for one run of n requests."""
 
-    # the step log, grown by _alloc_log (one entry per decode step of any worker)
-    log_dec: np.ndarray
-    log_t: np.ndarray
-    log_batch: np.ndarray
-    log_active: np.ndarray
-    log_ms: np.ndarray
-    log_meas: np.ndarray
-    log_n: np.ndarray
-
     def __init__(self, replay, n_workers: int, req_row: np.ndarray, req_max: np.ndarray, req_meas: np.ndarray,
                  max_seqs: int = 256, log_capacity: int = 1 << 16):
         n = len(req_row)
-        self.masks = replay.decode_masks
-        self.offsets = replay.offsets
-        self.steps = replay.steps.astype(np.int64)
-        self.empty = np.int64(replay._empty)
-        self.req_row = np.ascontiguousarray(req_row, dtype=np.int64)
-        self.req_max = np.ascontiguousarray(np.maximum(req_max, 1), dtype=np.int64)
-        self.req_meas = np.ascontiguousarray(req_meas, dtype=np.bool_)
-        self.req_ntok = np.zeros(n, dtype=np.int64)
-        self.req_first = np.full(n, np.nan)
-        self.req_finish = np.full(n, np.nan)
+        rows = np.asarray(req_row, dtype=np.int64)
+        self.masks, off = served_masks(replay, rows)
+        st = replay.steps.astype(np.int64)[rows]
+        self.req = np.zeros((7, n), dtype=np.int64)
+        self.req[R_OFF] = off
+        self.req[R_CUR] = off
+        self.req[R_ST] = np.maximum(st, 1)
+        self.req[R_MAX] = np.maximum(req_max, 1)
+        self.req[R_MEAS] = np.asarray(req_meas, dtype=bool)
+        self.req[R_CTX0] = replay.prompt_tokens[rows]
+        self.reqf = np.full((2, n), np.nan)
         self.req_worker = np.full(n, -1, dtype=np.int64)
         self.admit_t = np.full(n, np.nan)
         D = n_workers
-        self.max_seqs = int(max_seqs)
-        self.run = np.zeros((D, self.max_seqs), dtype=np.int64)
-        self.nrun = np.zeros(D, dtype=np.int64)
+        self.run = np.zeros((D, int(max_seqs)), dtype=np.int64)
         self.qbuf = np.zeros((D, max(n, 1)), dtype=np.int64)
-        self.qhead = np.zeros(D, dtype=np.int64)
-        self.qtail = np.zeros(D, dtype=np.int64)
-        self.inflight = np.zeros(D, dtype=np.int64)
+        self.wk = np.zeros((4, D), dtype=np.int64)
         self.step_end = np.full(D, INF)
-        k0, kb, kt = replay.cost.coefficients(replay.token_scale)
-        L = replay.n_layers
-        self.k0, self.kb, self.kt = float(L * k0), float(kb), float(L * kt)
-        self._alloc_log(log_capacity)
+        self.terms = np.asarray(replay.cost.step_terms(replay.n_layers, replay.token_scale), dtype=np.float64)
+        self.acc = np.zeros(self.masks.shape[1], dtype=np.uint64)
+        self.log = np.zeros((len(LOG_FIELDS), max(int(log_capacity), 4)))
+        self.cnt = np.zeros(1, dtype=np.int64)
+        self._adm_d: list[int] = []
+        self._adm_rid: list[int] = []
+        self._adm_t: list[float] = []
 
-    def _alloc_log(self, cap: int, old=None):
-        names = ("log_dec", "log_t", "log_batch", "log_active", "log_ms", "log_meas")
-        dts = (np.int32, np.float64, np.int32, np.int32, np.float64, np.int32)
-        for nm, dt in zip(names, dts, strict=True):
-            a = np.zeros(cap, dtype=dt)
-            if old is not None:
-                a[: old] = getattr(self, nm)[: old]
-            setattr(self, nm, a)
-        if old is None:
-            self.log_n = np.zeros(1, dtype=np.int64)
+    # views the event loop and the result columns read
+    @property
+    def inflight(self) -> np.ndarray:
+        """Requests admitted and not finished, per worker (the routing loads)."""
+        return self.wk[W_INFLIGHT]
 
-    def _log_args(self):
-        return (self.log_dec, self.log_t, self.log_batch, self.log_active, self.log_ms, self.log_meas, self.log_n)
+    @property
+    def req_ntok(self) -> np.ndarray:
+        return self.req[R_NTOK]
+
+    @property
+    def req_first(self) -> np.ndarray:
+        return self.reqf[0]
+
+    @property
+    def req_finish(self) -> np.ndarray:
+        return self.reqf[1]
+
+    def _grow(self, need: int) -> None:
+        cap = self.log.shape[1]
+        if need >= cap - 1:
+            new = np.zeros((self.log.shape[0], max(2 * cap, need + 2)))
+            new[:, :cap] = self.log
+            self.log = new
 
     def advance(self, until: float) -> None:
-        while advance(until, self.masks, self.offsets, self.steps, self.empty, self.req_row, self.req_ntok,
-                      self.req_max, self.req_meas, self.req_first, self.req_finish, self.run, self.nrun, self.qbuf,
-                      self.qhead, self.qtail, self.inflight, self.step_end, self.max_seqs, self.k0, self.kb,
-                      self.kt, *self._log_args()) < 0:
-            n = int(self.log_n[0])
-            self._alloc_log(2 * len(self.log_dec), old=n)
+        """Apply the queued admissions, then run the steps that end at or before ``until``."""
+        k = len(self._adm_d)
+        if k:
+            self._grow(int(self.cnt[0]) + k + 1)  # an admission starts at most one step
+            ad, ar, at = (np.array(self._adm_d, dtype=np.int64), np.array(self._adm_rid, dtype=np.int64),
+                          np.array(self._adm_t, dtype=np.float64))
+            self._adm_d, self._adm_rid, self._adm_t = [], [], []
+        else:
+            ad, ar, at = _NO_I, _NO_I, _NO_F
+        while advance(until, ad, ar, at, self.masks, self.req, self.reqf, self.wk, self.run, self.qbuf,
+                      self.step_end, self.terms, self.acc, self.log, self.cnt) < 0:
+            ad, ar, at = _NO_I, _NO_I, _NO_F
+            self._grow(self.log.shape[1])
 
     def admit(self, worker: int, rid: int, t: float) -> None:
-        if self.log_n[0] >= len(self.log_dec) - 1:
-            self._alloc_log(2 * len(self.log_dec), old=int(self.log_n[0]))
+        """Hand request ``rid`` to ``worker`` at ``t``: counted in its load at once, queued (and its
+        step started if the worker is idle) by the next :meth:`advance` -- nothing in between can
+        observe the difference, because only advance moves decode time."""
+        self.wk[W_INFLIGHT, worker] += 1
         self.req_worker[rid] = worker
         self.admit_t[rid] = t
-        admit(worker, rid, t, self.masks, self.offsets, self.steps, self.empty, self.req_row, self.req_ntok,
-              self.req_meas, self.run, self.nrun, self.qbuf, self.qhead, self.qtail, self.inflight, self.step_end,
-              self.max_seqs, self.k0, self.kb, self.kt, *self._log_args())
+        self._adm_d.append(worker)
+        self._adm_rid.append(rid)
+        self._adm_t.append(t)
 
     def step_log(self) -> dict[str, np.ndarray]:
-        n = int(self.log_n[0])
-        return {"worker": self.log_dec[:n].copy(), "t_s": self.log_t[:n].copy(), "batch": self.log_batch[:n].copy(),
-                "active_experts": self.log_active[:n].copy(), "step_ms": self.log_ms[:n].copy(),
-                "measured_itls": self.log_meas[:n].copy()}
+        n = int(self.cnt[0])
+        return {f: self.log[i, :n].astype(dt) for i, (f, dt) in enumerate(zip(LOG_FIELDS, LOG_DTYPES, strict=True))}
