@@ -62,10 +62,11 @@ def default_cost_model(tr, work: Path) -> tuple[Path, str]:
 
 
 def saturation_rate(cost, n_layers: int, num_experts: int, top_k: int, n_decode: int, max_tokens: int,
-                    batch: int = 64) -> float:
-    """Request rate at which ``n_decode`` workers run ``batch`` requests each (round-robin-like experts)."""
+                    batch: int = 64, prompt_tokens: float = 0.0) -> float:
+    """Request rate at which ``n_decode`` workers run ``batch`` requests each (round-robin-like experts),
+    each request half-way through its decode (a roofline charges that KV; a measured CPU model ignores it)."""
     active = min(num_experts, batch * max(top_k, 1)) * n_layers
-    step_ms = cost.step_ms(active, n_layers, batch)
+    step_ms = cost.step_ms(active, n_layers, batch, context=[prompt_tokens + max_tokens / 2] * batch)
     return n_decode * batch * 1000.0 / (step_ms * max(max_tokens, 1))
 
 
@@ -201,7 +202,8 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
         cost = CostModel.load(cost_model)
         step("simulate")
         if rates is None:
-            sat = saturation_rate(cost, L, E, top_k, n_decode, max_tokens)
+            sat = saturation_rate(cost, L, E, top_k, n_decode, max_tokens,
+                                  prompt_tokens=float(np.mean(tr.prompt_tokens)) if len(tr.prompt_tokens) else 0.0)
             rates = [round(sat * f, 3) for f in (0.25, 0.5, 0.75, 1.0)]
             notes.append(f"rates: 25-100% of the estimated decode saturation rate ({sat:.2f} req/s)")
         names = routers or [r for r in ("round-robin", "random", "jsq", "p2c", "eldr", "oracle") if r in SIM_POLICIES]
