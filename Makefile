@@ -105,7 +105,7 @@ $(ART)/trace/manifest.json: $(MODEL)/config.json | venv
 	  --max-new-tokens $(MAX_NEW_TOKENS) --out $(ART)/trace
 
 .PHONY: model-trained
-TRAIN_STEPS ?= 70
+TRAIN_STEPS ?= 400
 model-trained: venv  ## train the tiny qwen3_moe on the shipped prompts' training split (CPU, cached)
 	$(ELDR) model tiny --train --steps $(TRAIN_STEPS) --out $(ART)/tiny-moe-trained-$(TRAIN_STEPS)
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from eldr_cli.data import prompts_file
+from eldr_cli.models.train import DEFAULT_STEPS
 from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="artifacts/demo")
     ap.add_argument("--prompts", default=None,
                     help="prompts file (default: the shipped task + language sets, combined into OUT/prompts.jsonl)")
-    ap.add_argument("--sample", type=int, default=64, help="prompts to capture (half calibration, half served)")
+    ap.add_argument("--sample", type=int, default=192, help="prompts to capture (half calibration, half served)")
     ap.add_argument("--capture-tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=8)
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--random-model", action="store_true", help="use the random-weight model (no training)")
-    ap.add_argument("--train-steps", type=int, default=70)
+    ap.add_argument("--train-steps", type=int, default=DEFAULT_STEPS)
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
