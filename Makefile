@@ -105,9 +105,13 @@ $(ART)/trace/manifest.json: $(MODEL)/config.json | venv
 	  --max-new-tokens $(MAX_NEW_TOKENS) --out $(ART)/trace
 
 .PHONY: model-trained
-TRAIN_STEPS ?= 70
+TRAIN_STEPS ?= 400
 model-trained: venv  ## train the tiny qwen3_moe on the shipped prompts' training split (CPU, cached)
 	$(ELDR) model tiny --train --steps $(TRAIN_STEPS) --out $(ART)/tiny-moe-trained-$(TRAIN_STEPS)
+
+.PHONY: bench-model-quality
+bench-model-quality: venv  ## issue 11's bar: trained tiny MoE (cached) vs random weights: corr, rho, replay
+	$(BIN)/python benchmarks/bench_model_quality.py --out bench-results/model_quality.json
 
 bench-capture: venv  ## hook overhead (mid-size random MoE), peak RSS, Orders-in-Chaos import rate
 	$(BIN)/python benchmarks/bench_capture.py --out bench-results/capture.json

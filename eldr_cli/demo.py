@@ -3,8 +3,9 @@
 1. train the tiny qwen3_moe (`eldr model tiny --train`: 4 layers, 16 experts, top-2, a few CPU minutes, cached)
    on the training split of the shipped prompts, so its experts specialize (``--random-model``: the
    random-weight model instead, whose routing has nothing for ELDR to exploit);
-2. capture a calibration + evaluation sample of the shipped task prompts (eldr_cli/data/prompts), only
-   prompts outside the model's training split (its split.json) -> trace with per-step decode picks;
+2. capture a calibration + evaluation sample of the shipped prompts (eldr_cli/data/prompts: the task set
+   and the 11-language set together), only prompts outside the model's training split (its split.json)
+   -> trace with per-step decode picks;
 3. time one MoE layer on this CPU -> cost model (Fig. 2);
 4. fit signatures and balanced clusters for the decoder count;
 5. start an EMULATED 4P8D cluster (`eldr emulate`) and the proxy (`eldr serve-proxy`);
@@ -30,10 +31,13 @@ import time
 from pathlib import Path
 
 from eldr_cli.data import prompts_file
+from eldr_cli.models.train import DEFAULT_STEPS
 from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = prompts_file("task")
+# the demo captures and serves both shipped sets: the four task domains (English) and the same maths
+# problems in 11 languages and several scripts, the workload whose experts a trained MoE keeps apart
+DEFAULT_PROMPT_SETS = ("task", "language")
 ROUTERS = "round-robin,jsq,p2c,domain,eldr"
 
 # Used only when the prompts file given is absent: short prompts in the task workload's
@@ -175,11 +179,22 @@ def _active_experts(bench: Path) -> dict[str, float]:
     return dict(zip(agg["router"].to_list(), agg["active_experts"].to_list(), strict=True))
 
 
+def _shipped_prompts(out: Path) -> Path:
+    """The shipped prompt sets in one file (ids are unique across the sets); missing sets are skipped."""
+    dest = out / "prompts.jsonl"
+    parts = [prompts_file(s).read_text(encoding="utf-8") for s in DEFAULT_PROMPT_SETS if prompts_file(s).is_file()]
+    text = "".join(p if p.endswith("\n") else p + "\n" for p in parts)
+    if text and (not dest.is_file() or dest.read_text(encoding="utf-8") != text):
+        dest.write_text(text, encoding="utf-8")
+    return dest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="eldr-demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="artifacts/demo")
-    ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    ap.add_argument("--sample", type=int, default=64, help="prompts to capture (half calibration, half served)")
+    ap.add_argument("--prompts", default=None,
+                    help="prompts file (default: the shipped task + language sets, combined into OUT/prompts.jsonl)")
+    ap.add_argument("--sample", type=int, default=192, help="prompts to capture (half calibration, half served)")
     ap.add_argument("--capture-tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=8)
@@ -188,7 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--random-model", action="store_true", help="use the random-weight model (no training)")
-    ap.add_argument("--train-steps", type=int, default=70)
+    ap.add_argument("--train-steps", type=int, default=DEFAULT_STEPS)
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,12 +218,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     try:
-        prompts = Path(a.prompts)
+        prompts = Path(a.prompts) if a.prompts else _shipped_prompts(out)
         if not prompts.is_file():
+            missing_from = prompts
             prompts = out / "embedded_prompts.jsonl"
             prompts.write_text("".join(json.dumps({"id": f"{d}-{i}", "domain": d, "prompt": p}) + "\n"
                                        for d, ps in EMBEDDED_PROMPTS.items() for i, p in enumerate(ps)))
-            print(f"{a.prompts} not found: using the embedded default prompts ({prompts})")
+            print(f"{missing_from} not found: using the embedded default prompts ({prompts})")
         from eldr_cli.main import COMMAND_MODULES
 
         if a.random_model:

@@ -25,7 +25,7 @@ def tiny_cmd(
     seed: int = typer.Option(0, "--seed"),
     train: bool = typer.Option(False, "--train", help="Train a qwen3_moe on the training split of the shipped "
                                                       "task+language prompts (CPU, a few minutes; cached)."),
-    steps: int = typer.Option(70, "--steps", help="--train: optimizer steps."),
+    steps: int = typer.Option(400, "--steps", help="--train: optimizer steps (of 32 x 128 tokens)."),
     top_k_train: int = typer.Option(2, "--train-top-k", help="--train: experts per token."),
 ) -> None:
     """Write a deterministic MoE checkpoint + locally trained tokenizer (no network); random or trained weights."""
