@@ -154,7 +154,7 @@ bench-report: venv  ## eldr report end to end: verdict table + wall time (genera
 	$(BIN)/python benchmarks/bench_report.py --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
 .PHONY: bench-sim
-bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 6 routers), its TPOT report, load-generator lag, emulator agreement
+bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 7 routers incl. oracle), its TPOT report, load-generator lag, emulator agreement
 	$(BIN)/python benchmarks/bench_sim.py --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))
 
 clean:
