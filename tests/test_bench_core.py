@@ -105,11 +105,31 @@ def test_moe_layer_command_times_and_fits(tmp_path):
     assert rc == 0
     m = CostModel.load(out)
     assert m.top_k == 2 and m.b_ms >= 0 and m.source == "measured"
+    import torch
+
+    # auto: the artifact names what was timed (the GPU when torch sees one, else this CPU)
+    assert m.device.startswith("cuda (" if torch.cuda.is_available() else "cpu (")
     t = pl.read_parquet(out / "moe_timings.parquet")
     # only feasible points: at most batch * top_k distinct experts
     assert set(zip(t["batch"], t["active_experts"], strict=True)) == {(1, 1), (1, 2), (4, 1), (4, 2), (4, 4), (4, 8),
                                                           (16, 1), (16, 2), (16, 4), (16, 8)}
     assert (out / "fig2_moe_layer.png").stat().st_size > 1000
+
+
+def test_moe_layer_device_cuda_without_a_gpu_is_a_user_error(tmp_path):
+    import torch
+
+    from eldr_cli.costmodel.moe_layer import resolve_device
+    from eldr_cli.errors import EldrError
+
+    if torch.cuda.is_available():
+        assert resolve_device("auto") == "cuda"
+        return
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(EldrError, match="no CUDA GPU"):
+        resolve_device("cuda")
+    rc = run(["bench", "moe-layer", "--out", str(tmp_path / "cm"), "--device", "cuda", "--repeats", "1"])
+    assert rc == 2 and not (tmp_path / "cm").exists()
 
 
 def test_cost_model_of_wrong_kind_is_a_user_error(tmp_path):

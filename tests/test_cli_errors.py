@@ -160,6 +160,7 @@ CASES: dict[str, tuple] = {
     "moe-batches-text": ([*MOE, "--out", "new", "--batches", "1,x"], "--batches must be comma-separated"),
     "moe-active-0": ([*MOE, "--out", "new", "--active", "0,1"], "--active must be positive"),
     "moe-topk-gt-experts": ([*MOE, "--out", "new", "--top-k", "9"], "--top-k (9)"),
+    "moe-device-unknown": ([*MOE, "--out", "new", "--device", "tpu"], "unknown --device 'tpu'"),
     "serve-url-scheme": (["bench", "serve", "--url", "ftp://x", "--prompts", "trace", "--out", "b"], "--url"),
     "serve-duration-0": ([*SERVE, "--duration", "0"], "'--duration'"),
     "serve-timeout-negative": ([*SERVE, "--timeout", "-1"], "'--timeout'"),

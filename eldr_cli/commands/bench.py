@@ -166,14 +166,16 @@ def moe_layer_cmd(
     repeats: int = typer.Option(7, "--repeats", min=1),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads (1 = steadier on a shared machine)."),
+    device: str = typer.Option("auto", "--device", help="auto (the CUDA GPU when torch sees one, else this CPU), "
+                                                        "cpu or cuda."),
     seed: int = SEED,
     force: bool = FORCE,
 ) -> None:
-    """Time one MoE layer (real expert matmuls over only the active experts) on this CPU; fit the cost
-    model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
+    """Time one MoE layer (real expert matmuls over only the active experts) on this machine's GPU or CPU;
+    fit the cost model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
-    from eldr_cli.costmodel.moe_layer import run_moe_layer
+    from eldr_cli.costmodel.moe_layer import resolve_device, run_moe_layer
     from eldr_cli.errors import EldrError
 
     def ints(s, name):
@@ -190,11 +192,12 @@ def moe_layer_cmd(
     sizes = ints(batches, "batches"), ints(actives, "active")
     from eldr_cli.artifacts.guard import check_output
 
+    resolve_device(device)  # an unknown or absent device fails before anything is written
     check_output(out, "cost-model", force=force or None)  # before minutes of timing
     with console.status("timing the MoE layer ...") as st, replacing(out, force):
         run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
                       batches=sizes[0], actives=sizes[1], repeats=repeats,
-                      dtype=dtype, threads=threads, seed=seed,
+                      dtype=dtype, threads=threads, seed=seed, device=device,
                       progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
     a = Artifact(out)
     c, m = a.params["coefficients_ms"], a.metrics

@@ -5,8 +5,10 @@ with torch over *only the experts the batch activates*: each of the batch's toke
 distinct experts from a set of ``active`` experts (spread so every active expert gets tokens), and
 the layer does the three matmuls of each active expert over its tokens and scatters the result
 back -- the work a grouped MoE kernel does on a memory-bound decode step. The non-MoE part is timed
-as one attention block's projections (q, k, v, o: four [H, H] matmuls) plus an RMSNorm. On a GPU
-with vLLM's fused MoE kernel importable, ``backend="vllm"`` times that kernel instead.
+as one attention block's projections (q, k, v, o: four [H, H] matmuls) plus an RMSNorm.
+
+``device="auto"`` times the CUDA GPU when torch sees one (the same torch ops, timed between
+``torch.cuda.synchronize()`` calls), else this CPU; the artifact names the device it timed.
 """
 
 from __future__ import annotations
@@ -37,10 +39,37 @@ def _routing(batch: int, active: int, top_k: int, num_experts: int, rng) -> list
     return out
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA GPU, else ``cpu``; ``cuda`` without one is an error."""
+    import torch
+
+    if device not in DEVICES:
+        raise EldrError(f"unknown --device {device!r}; expected one of {', '.join(DEVICES)}")
+    has_cuda = bool(torch.cuda.is_available())
+    if device == "cuda" and not has_cuda:
+        raise EldrError("--device cuda: torch sees no CUDA GPU on this machine", hint="use --device cpu (or auto)")
+    return "cuda" if device == "auto" and has_cuda else ("cpu" if device == "auto" else device)
+
+
+def device_label(device: str) -> str:
+    import platform
+
+    if device == "cuda":
+        import torch
+
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512, top_k: int = 8,
                    batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7, dtype: str = "float32",
-                   threads: int | None = 1, seed: int = 0, progress=None) -> tuple[list[dict], list[dict], dict]:
-    """Returns (moe rows, non-moe rows, facts). Each moe row: batch, active_experts, ms (min of repeats)."""
+                   threads: int | None = 1, seed: int = 0, device: str = "cpu",
+                   progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Returns (moe rows, non-moe rows, facts). Each moe row: batch, active_experts, ms (min of repeats).
+    ``device``: ``cpu`` or ``cuda`` (see :func:`resolve_device`)."""
     import torch
 
     if threads:
@@ -50,18 +79,20 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
         raise EldrError(f"unknown --dtype {dtype!r}; expected float32 or bfloat16")
     if min(num_experts, hidden, intermediate, top_k, repeats) < 1 or top_k > num_experts:
         raise EldrError("experts, hidden, intermediate, top-k and repeats must be >= 1, top-k <= experts")
+    dev = torch.device(device)
+    # a GPU runs asynchronously: wait for it before reading the clock on either side of a timed call
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(seed)
     scale = hidden ** -0.5
-    w_gate = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dt)
-    w_up = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dt)
-    w_down = (torch.randn(num_experts, intermediate, hidden, generator=g) * intermediate ** -0.5).to(dt)
-    w_attn = (torch.randn(4, hidden, hidden, generator=g) * scale).to(dt)
+    w_gate = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dev, dt)
+    w_up = (torch.randn(num_experts, hidden, intermediate, generator=g) * scale).to(dev, dt)
+    w_down = (torch.randn(num_experts, intermediate, hidden, generator=g) * intermediate ** -0.5).to(dev, dt)
+    w_attn = (torch.randn(4, hidden, hidden, generator=g) * scale).to(dev, dt)
     rng = np.random.default_rng(seed)
 
     def moe(x, routes):
         out = torch.zeros_like(x)
-        for e, toks in routes:
-            idx = torch.from_numpy(toks)
+        for e, idx in routes:
             xe = x.index_select(0, idx)
             h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
             out.index_add_(0, idx, h @ w_down[e])
@@ -77,23 +108,30 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     # shared machine other processes only ever add time, so the minimum is the least biased estimate
     # and a burst of contention cannot hit every repeat of one point.
     points = [(b, a) for b in batches for a in actives if a <= min(num_experts, b * top_k)]
-    inputs = {b: torch.randn(b, hidden, generator=g).to(dt) for b in batches}
-    routes = {(b, a): _routing(b, a, top_k, num_experts, rng) for b, a in points}
+    inputs = {b: torch.randn(b, hidden, generator=g).to(dev, dt) for b in batches}
+    # token indices live on the device already, so a timed call copies nothing from the host
+    routes = {(b, a): [(e, torch.from_numpy(toks).to(dev)) for e, toks in _routing(b, a, top_k, num_experts, rng)]
+              for b, a in points}
     best = {p: float("inf") for p in points}
     best_dense = {b: float("inf") for b in batches}
     order = list(points)
     with torch.inference_mode():
         for p in points:  # warm-up
             moe(inputs[p[0]], routes[p])
+        sync()
         for rep in range(repeats):
             rng.shuffle(order)
             for p in order:
+                sync()
                 t0 = time.perf_counter()
                 moe(inputs[p[0]], routes[p])
+                sync()
                 best[p] = min(best[p], time.perf_counter() - t0)
             for b in batches:
+                sync()
                 t0 = time.perf_counter()
                 non_moe(inputs[b])
+                sync()
                 best_dense[b] = min(best_dense[b], time.perf_counter() - t0)
             if progress:
                 progress(rep + 1, repeats)
@@ -101,7 +139,7 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     dense_rows = [{"batch": b, "ms": best_dense[b] * 1e3} for b in batches]
     facts = {"num_experts": num_experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k,
              "dtype": dtype, "threads": int(torch.get_num_threads()), "repeats": repeats,
-             "torch": torch.__version__, "backend": "torch"}
+             "torch": torch.__version__, "backend": "torch", "device_type": dev.type}
     return moe_rows, dense_rows, facts
 
 
@@ -126,24 +164,23 @@ def fit_cost_model(moe_rows: list[dict], dense_rows: list[dict]) -> tuple[CostMo
 
 def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512,
                   top_k: int = 8, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7,
-                  dtype: str = "float32", threads: int | None = 1, seed: int = 0, progress=None) -> Path:
-    import platform
-
+                  dtype: str = "float32", threads: int | None = 1, seed: int = 0, device: str = "auto",
+                  progress=None) -> Path:
     import polars as pl
 
     from eldr_cli.bench import figures as plots
 
     if not batches or not actives or min(batches) < 1 or min(actives) < 1:
         raise EldrError("batch sizes and active expert counts must be positive integers")
+    dev = resolve_device(device)
     t0 = time.perf_counter()
     moe_rows, dense_rows, facts = time_moe_layer(
         num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k, batches=batches,
-        actives=actives, repeats=repeats, dtype=dtype, threads=threads, seed=seed, progress=progress)
+        actives=actives, repeats=repeats, dtype=dtype, threads=threads, seed=seed, device=dev, progress=progress)
     if len(moe_rows) < 3:
         raise EldrError("too few (batch, active experts) points to fit the cost model; give more values")
     model, fit = fit_cost_model(moe_rows, dense_rows)
-    model = CostModel(**{**model.as_params(), "device": f"cpu ({platform.processor() or platform.machine()})",
-                         "top_k": top_k})
+    model = CostModel(**{**model.as_params(), "device": device_label(dev), "top_k": top_k})
 
     def figures(d: Path):
         plots.moe_layer_cost(d / "fig2_moe_layer.png", moe_rows, model, facts)
