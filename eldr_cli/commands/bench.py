@@ -201,7 +201,8 @@ def moe_layer_cmd(
                       progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
     a = Artifact(out)
     c, m = a.params["coefficients_ms"], a.metrics
-    console.print(f"cost model (measured on this CPU, {a.params['threads']} thread(s), {a.params['dtype']}): per MoE "
+    console.print(f"cost model (measured on {a.params['device']}, {a.params['threads']} thread(s), "
+                  f"{a.params['dtype']}): per MoE "
                   f"layer [bold]{c['a']:.3f} + {c['b']:.3f}*active + {c['c']:.4f}*tokens[/] ms, non-MoE "
                   f"{c['e']:.3f} + {c['d']:.4f}*tokens ms; fit R^2 {m['fit_r2']:.3f}, median |rel err| "
                   f"{100 * m['fit_median_abs_rel_error']:.1f}%")
