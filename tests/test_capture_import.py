@@ -182,3 +182,28 @@ def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
     # valid variants the fast path takes itself (and, above, agrees on with the JSON parse)
     for text in (extra_null_key, no_decode_step):
         assert import_file._fast_parse(text.encode()) is not None, text
+
+
+def test_two_workers_write_the_same_artifact_and_input_hash(tmp_path):
+    """--workers 2 (forked parser processes, per-file digests) == one process, byte for byte, and the
+    source tree's input hash (from the digests taken while parsing) == hashing the tree from disk."""
+    from eldr_cli.artifacts.store import input_hash
+
+    write_oic_tree(tmp_path / "src", n_per_subject=9, num_layers=5, num_experts=24, top_k=2, seed=3)
+    root = tmp_path / "src" / "acme" / "Tiny-MoE"
+    (root / "NOTES.txt").write_text("not a trace, but part of the tree's hash\n")
+    bad = next(root.rglob("*.json")).with_name("broken.json")
+    bad.write_text("[{")
+    manifests = []
+    for w in (1, 2):
+        out = tmp_path / f"out{w}"
+        res = importer.import_trace(root, out, workers=w, chunk_files=7, progress=False)
+        assert res.metrics["n_skipped_files"] == 1
+        manifests.append(json.loads((out / "manifest.json").read_text()))
+    one, two = manifests
+    assert one["files"] == two["files"] and one["content_hash"] == two["content_hash"]
+    assert one["inputs"] == two["inputs"]
+    assert one["inputs"]["source_tree"]["content_hash"] == input_hash(root)
+    t1, t2 = read_trace(tmp_path / "out1"), read_trace(tmp_path / "out2")
+    np.testing.assert_array_equal(t1.prefill_counts, t2.prefill_counts)
+    assert t1.n_requests == 27

@@ -165,3 +165,8 @@ def _is_eval(request_id: str, seed: int, fraction: float) -> bool:
         return False
     h = int.from_bytes(hashlib.blake2b(f"{seed}\0{request_id}".encode(), digest_size=8).digest(), "big")
     return h / 2.0 ** 64 < fraction
+
+
+def warm_up() -> None:
+    """Load (or compile) the fast parser now, on a two-line file."""
+    _fast_parse(b'[{"0":[[1]]},{"0":[[1]]}]')
