@@ -221,7 +221,8 @@ def child_shape_tree(a) -> dict:
     return {"mean_bytes": write_shape_tree(src, a.shape, a.n)}
 
 
-def bench_import_rates(tmp: str, n: int, repeats: int, n_small: int | None = None) -> list[dict]:
+def bench_import_rates(tmp: str, n: int, repeats: int, n_small: int | None = None,
+                       shapes: tuple[str, ...] = tuple(IMPORT_SHAPES)) -> list[dict]:
     """Per shape: ours with 1 and 2 parser processes and the peer, runs interleaved, on trees of
     ``n_small`` and ``n`` files. "whole" = the import of n files, start-up to figures; "marginal" =
     the extra files over the extra time, (n - n_small) / (t(n) - t(n_small)) on the best runs, i.e.
@@ -229,7 +230,7 @@ def bench_import_rates(tmp: str, n: int, repeats: int, n_small: int | None = Non
     paid; the same from CPU time (user+sys, all processes), steadier on a shared machine."""
     n_small = n_small or max(1, n // 4)
     rows = []
-    for shape in IMPORT_SHAPES:
+    for shape in shapes:
         size = run_child("shape_tree", tmp, shape=shape, n=n)["mean_bytes"]
         run_child("shape_tree", tmp, shape=shape, n=n_small)
         runs: dict[tuple[int, int], list[dict]] = {(w, m): [] for w in (1, 2, 0) for m in (n_small, n)}
@@ -327,6 +328,7 @@ def main() -> None:
     ap.add_argument("--rate-files", type=int, default=1000, help="files per shape for the import rate table")
     ap.add_argument("--rate-repeats", type=int, default=3)
     ap.add_argument("--rate-files-small", type=int, default=0, help="the smaller tree (default: a quarter)")
+    ap.add_argument("--rate-shapes", default=",".join(IMPORT_SHAPES), help="shapes for the import rate table")
     ap.add_argument("--sections", default="overhead,capture,staging,import",
                     help="comma-separated subset to run (import = the rate table and import RSS)")
     a = ap.parse_args()
@@ -361,7 +363,8 @@ def main() -> None:
         res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps)
                               for n in map(int, a.staging_requests.split(","))]
     if "import" in sections:
-        res["import_rate"] = bench_import_rates(tmp, a.rate_files, a.rate_repeats, a.rate_files_small or None)
+        res["import_rate"] = bench_import_rates(tmp, a.rate_files, a.rate_repeats, a.rate_files_small or None,
+                                                 tuple(a.rate_shapes.split(",")))
         n_small, n_big = map(int, a.import_files.split(","))
         for n in (n_small, n_big):
             run_child("fixtures", tmp, n=n)

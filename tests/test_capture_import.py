@@ -12,6 +12,7 @@ from eldr_cli.capture.oic_fixtures import write_oic_tree
 from eldr_cli.capture.staging import staging_dir
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run as eldr
+from eldr_cli.pipeline import import_file
 from eldr_cli.pipeline import import_trace as importer
 
 
@@ -66,12 +67,12 @@ def test_fast_parser_equals_json_parser(tmp_path, monkeypatch):
     for f in list(f0.parent.glob("*.json")):
         fast = importer.parse_trace_file(str(f))
         with monkeypatch.context() as m:
-            m.setattr(importer, "_fast_parse", lambda raw: None)
+            m.setattr(import_file, "_fast_parse", lambda raw: None)
             slow = importer.parse_trace_file(str(f))
         assert fast[0] == slow[0] and fast[3:] == slow[3:]
         np.testing.assert_array_equal(fast[1], slow[1])
         np.testing.assert_array_equal(fast[2], slow[2])
-    assert importer._fast_parse(b'[{"1": [[1.5, 2]]}]') is None  # floats -> the JSON path decides
+    assert import_file._fast_parse(b'[{"1": [[1.5, 2]]}]') is None  # floats -> the JSON path decides
 
 
 def test_bad_files_are_skipped_and_counted(tmp_path, capsys):
@@ -99,9 +100,9 @@ def test_import_errors(tmp_path, capsys):
 
 
 def _both(path, monkeypatch):
-    fast = importer._fast_parse(path.read_bytes())
+    fast = import_file._fast_parse(path.read_bytes())
     with monkeypatch.context() as m:
-        m.setattr(importer, "_fast_parse", lambda raw: None)
+        m.setattr(import_file, "_fast_parse", lambda raw: None)
         try:
             slow = importer.parse_trace_file(str(path))
         except importer.BadTraceFile:
@@ -177,7 +178,32 @@ def test_fast_parser_declines_what_it_cannot_prove(tmp_path, monkeypatch):
             _assert_same(fast, slow)
         if slow is None:
             assert fast is None, text
-    assert importer._fast_parse(good.encode()) is not None
+    assert import_file._fast_parse(good.encode()) is not None
     # valid variants the fast path takes itself (and, above, agrees on with the JSON parse)
     for text in (extra_null_key, no_decode_step):
-        assert importer._fast_parse(text.encode()) is not None, text
+        assert import_file._fast_parse(text.encode()) is not None, text
+
+
+def test_two_workers_write_the_same_artifact_and_input_hash(tmp_path):
+    """--workers 2 (forked parser processes, per-file digests) == one process, byte for byte, and the
+    source tree's input hash (from the digests taken while parsing) == hashing the tree from disk."""
+    from eldr_cli.artifacts.store import input_hash
+
+    write_oic_tree(tmp_path / "src", n_per_subject=9, num_layers=5, num_experts=24, top_k=2, seed=3)
+    root = tmp_path / "src" / "acme" / "Tiny-MoE"
+    (root / "NOTES.txt").write_text("not a trace, but part of the tree's hash\n")
+    bad = next(root.rglob("*.json")).with_name("broken.json")
+    bad.write_text("[{")
+    manifests = []
+    for w in (1, 2):
+        out = tmp_path / f"out{w}"
+        res = importer.import_trace(root, out, workers=w, chunk_files=7, progress=False)
+        assert res.metrics["n_skipped_files"] == 1
+        manifests.append(json.loads((out / "manifest.json").read_text()))
+    one, two = manifests
+    assert one["files"] == two["files"] and one["content_hash"] == two["content_hash"]
+    assert one["inputs"] == two["inputs"]
+    assert one["inputs"]["source_tree"]["content_hash"] == input_hash(root)
+    t1, t2 = read_trace(tmp_path / "out1"), read_trace(tmp_path / "out2")
+    np.testing.assert_array_equal(t1.prefill_counts, t2.prefill_counts)
+    assert t1.n_requests == 27

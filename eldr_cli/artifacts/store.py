@@ -55,12 +55,18 @@ SCHEMA_VERSIONS: dict[str, int] = {
 MANIFESTS_DIR = Path(__file__).resolve().parents[1] / "schemas"
 
 
-def _hash_tree(root: Path) -> dict[str, str]:
-    """sha256 of every file below ``root`` except the manifest, keyed by relative posix path."""
+def _hash_tree(root: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file below ``root`` except the manifest, keyed by relative posix path.
+
+    ``known`` maps relative paths to digests a caller already computed from the files' bytes (the
+    trace import hashes each file as it parses it): those files are not read again. The walk and the
+    keys are the same either way, so the result is too."""
     out: dict[str, str] = {}
+    known = known or {}
     for p in sorted(root.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            out[p.relative_to(root).as_posix()] = sha256_file(p)
+            rel = p.relative_to(root).as_posix()
+            out[rel] = known.get(rel) or sha256_file(p)
     return out
 
 
@@ -77,15 +83,16 @@ def _content_hash(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def input_hash(path: str | os.PathLike) -> str:
-    """Content hash of an input: an artifact's ``content_hash`` or a plain file's sha256."""
+def input_hash(path: str | os.PathLike, known: dict[str, str] | None = None) -> str:
+    """Content hash of an input: an artifact's ``content_hash``, a plain file's sha256 or a folder's
+    tree hash (``known``: digests already computed for files below it, see :func:`_hash_tree`)."""
     p = Path(path)
     if (p / MANIFEST).is_file():
         return read_manifest(p)["content_hash"]
     if p.is_file():
         return sha256_file(p)
     if p.is_dir():
-        return _content_hash(_hash_tree(p))
+        return _content_hash(_hash_tree(p, known))
     raise EldrError(f"input {p} does not exist")
 
 
@@ -114,7 +121,8 @@ class ArtifactWriter:
     """
 
     def __init__(self, out: str | os.PathLike, *, kind: str, params: dict | None = None,
-                 inputs: dict[str, str | os.PathLike] | None = None, overwrite: bool = True):
+                 inputs: dict[str, str | os.PathLike] | None = None, overwrite: bool = True,
+                 input_digests: dict[str, dict[str, str]] | None = None):
         if kind not in SCHEMA_VERSIONS:
             raise ValueError(f"unknown artifact kind {kind!r}")
         self.out = Path(out)
@@ -124,6 +132,7 @@ class ArtifactWriter:
         self.metrics: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
         self.overwrite = overwrite
+        self.input_digests = input_digests or {}  # input name -> {relative path: sha256} already computed
         self._t0 = time.perf_counter()
         self._group = None
         self.tmp: Path | None = None
@@ -133,7 +142,7 @@ class ArtifactWriter:
         if self.out.exists() and not self.overwrite:
             raise EldrError(f"{self.out} exists; pass --force or choose another --out")
         check_output(self.out, self.kind, self.inputs.values())
-        self._input_hashes = {k: input_hash(v) for k, v in self.inputs.items()}
+        self._input_hashes = {k: input_hash(v, self.input_digests.get(k)) for k, v in self.inputs.items()}
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"

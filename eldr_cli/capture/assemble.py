@@ -24,8 +24,10 @@ def _pad_experts(a: np.ndarray, E: int) -> np.ndarray:
 
 
 def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, inputs: dict | None = None,
-                   metrics: dict | None = None, figures: bool = True) -> dict:
-    """Write the trace artifact from ``staging``; returns the metrics written to the manifest."""
+                   metrics: dict | None = None, figures: bool = True,
+                   input_digests: dict[str, dict[str, str]] | None = None) -> dict:
+    """Write the trace artifact from ``staging``; returns the metrics written to the manifest.
+    ``input_digests``: file digests of an input folder already computed (see ``ArtifactWriter``)."""
     import polars as pl
 
     L, E, k = model["num_layers"], model["num_experts"], model["top_k"]
@@ -38,7 +40,8 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
     has_gate = "prefill_gate_prob" in first.files
     has_picks = "decode_picks" in first.files
     agg = Aggregates(L, E, k)
-    with ArtifactWriter(out, kind="trace", params={**model, **params}, inputs=inputs) as w:
+    with ArtifactWriter(out, kind="trace", params={**model, **params}, inputs=inputs,
+                        input_digests=input_digests) as w:
         rows = 1024
         w.create_appendable("prefill_counts", (L, E), np.int32, chunk_rows=rows)
         w.create_appendable("decode_counts", (L, E), np.int32, chunk_rows=rows)

@@ -14,30 +14,34 @@ seeded hash of its id (streaming, so not stratified).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
-from eldr_cli.pipeline.oic_parse import fast_parse as _fast_parse
+from eldr_cli.pipeline.import_file import (  # noqa: F401  (parse_trace_file: the public per-file parser)
+    BadTraceFile,
+    _Job,
+    _parse_for_import,
+    _rel,
+    parse_trace_file,
+    warm_up,
+)
 
 CHUNK_FILES = 256
+HASH_FILES_MAX = 2000  # source trees up to this many files get an input hash in the manifest
 
 
 @dataclass
 class ImportResult:
     out: Path
     metrics: dict
-
-
-class BadTraceFile(Exception):
-    pass
 
 
 def iter_trace_files(root: Path, skipped: list[tuple[Path, str]] | None = None):
@@ -93,93 +97,6 @@ def iter_trace_files(root: Path, skipped: list[tuple[Path, str]] | None = None):
         stack.extend(reversed(dirs))
 
 
-def parse_trace_file(path: str):
-    """-> (layer_ids tuple, prefill_counts int32 [L, E'], decode_picks int16 [N, L, k], prompt_tokens, E').
-
-    E' is the largest id in the file + 1. Raises BadTraceFile with a reason for malformed content.
-    """
-    import orjson
-
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise BadTraceFile(f"unreadable ({e})") from None
-    fast = _fast_parse(raw)
-    if fast is not None:
-        return fast
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BadTraceFile(f"not valid JSON ({e})") from None
-    if not isinstance(doc, list) or not doc or not isinstance(doc[0], dict):
-        raise BadTraceFile("expected a list whose element 0 maps layer ids to per-token expert lists")
-    pre = doc[0]
-    try:
-        layers = sorted((int(k) for k, v in pre.items() if v is not None))
-    except ValueError:
-        raise BadTraceFile("layer ids must be integers (as strings)") from None
-    if not layers:
-        raise BadTraceFile("no MoE layer (all layers null)")
-    keys = [str(l) for l in layers]
-    try:
-        arrs = [np.asarray(pre[k], dtype=np.int64) for k in keys]
-    except (ValueError, TypeError):
-        raise BadTraceFile("prefill expert lists are ragged or not integers") from None
-    T = arrs[0].shape[0] if arrs[0].ndim == 2 else -1
-    if T <= 0 or any(a.ndim != 2 or a.shape != arrs[0].shape for a in arrs):
-        raise BadTraceFile("prefill: every MoE layer needs the same [tokens, k] expert lists")
-    k = arrs[0].shape[1]
-    stacked = np.stack(arrs)  # [L, T, k]
-    if stacked.min() < 0:
-        raise BadTraceFile("negative expert id")
-    E = int(stacked.max()) + 1
-    L = len(layers)
-    flat = stacked.reshape(L, -1) + (np.arange(L) * E)[:, None]
-    prefill = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E).astype(np.int32)
-    steps = doc[1:]
-    picks = np.zeros((len(steps), L, k), dtype=np.int16)
-    if steps:
-        try:
-            rows = [[st[kk][-1] for kk in keys] for st in steps]
-            picks_arr = np.asarray(rows, dtype=np.int64)
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise BadTraceFile("decode steps must map every MoE layer to a [[k ids]] list") from None
-        if picks_arr.shape != (len(steps), L, k):
-            raise BadTraceFile(f"decode picks have shape {picks_arr.shape}, expected {(len(steps), L, k)}")
-        if picks_arr.min() < 0:
-            raise BadTraceFile("negative expert id")
-        E = max(E, int(picks_arr.max()) + 1)
-        picks = np.sort(picks_arr, axis=-1).astype(np.int16)
-    if prefill.shape[1] < E:
-        prefill = np.concatenate([prefill, np.zeros((L, E - prefill.shape[1]), np.int32)], axis=1)
-    return tuple(layers), prefill, picks, T, E
-
-
-def _parse_safe(path: str):
-    try:
-        return path, parse_trace_file(path), None
-    except BadTraceFile as e:
-        return path, None, str(e)
-
-
-def _labels(root: Path, path: Path) -> tuple[str, str, str, str]:
-    """(model key, benchmark, subject, request id) from the path below ``root``."""
-    rel = path.relative_to(root).with_suffix("")
-    parts = rel.parts
-    subject = parts[-2] if len(parts) >= 2 else root.name
-    bench = parts[-3] if len(parts) >= 3 else (root.parent.name if len(parts) == 2 else root.parent.name)
-    model = "/".join(parts[:-3]) if len(parts) >= 4 else ""
-    return model, bench, subject, rel.as_posix()
-
-
-def _is_eval(request_id: str, seed: int, fraction: float) -> bool:
-    if fraction <= 0:
-        return False
-    h = int.from_bytes(hashlib.blake2b(f"{seed}\0{request_id}".encode(), digest_size=8).digest(), "big")
-    return h / 2.0 ** 64 < fraction
-
-
 def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None = None, seed: int = 0,
                  eval_fraction: float = 0.2, workers: int = 1, chunk_files: int = CHUNK_FILES,
                  progress: bool = True, log=None) -> ImportResult:
@@ -193,29 +110,37 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     staging.start_fresh()
     t0 = time.perf_counter()
     pool = None
+    job = _Job(root, seed, eval_fraction)
+    tasks = ((str(p), i < HASH_FILES_MAX) for i, p in enumerate(files))
+    if workers > 1:
+        pool = _start_pool(workers)
+    preload = _preload()  # matplotlib and the artifact writers' imports, while the files are parsed
     try:
-        if workers > 1:
-            import multiprocessing as mp
-
-            pool = mp.get_context("spawn").Pool(workers)
-            results: Iterator[tuple] = pool.imap(_parse_safe, (str(p) for p in files), chunksize=32)
+        if pool is not None:
+            results: Iterator[tuple] = pool.imap(partial(_parse_for_import, job), tasks, chunksize=16)
         else:
-            results = (_parse_safe(str(p)) for p in files)
-        acc = _Accumulator(root, top_k, seed, eval_fraction, log)
+            results = (_parse_for_import(job, t) for t in tasks)
+        acc = _Accumulator(root, top_k, log)
         buf: list = []
         chunk = 0
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
-            for path, parsed, err in results:
-                row = acc.add(Path(path), parsed, err)
+            for path, err, digest, parsed in results:
+                if digest is not None:
+                    acc.digests[path] = digest
+                row = acc.add(path, parsed, err)
                 if row is not None:
                     buf.append(row)
                 if len(buf) >= chunk_files:
                     _flush(staging, chunk, buf)
                     chunk, buf = chunk + 1, []
-                bar.update(task, advance=1, reqs=acc.n_files, toks=0, busy_s=time.perf_counter() - t0)
+                if progress:
+                    bar.update(task, advance=1, reqs=acc.n_files, toks=0, busy_s=time.perf_counter() - t0)
             if buf:
                 _flush(staging, chunk, buf)
+        if pool is not None:
+            pool.close()
+        preload.join()
         return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
                          wall=time.perf_counter() - t0)
     except BaseException:
@@ -224,6 +149,37 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     finally:
         if pool is not None:
             pool.terminate()
+        preload.join()  # never leave an import running in a daemon thread at exit
+
+
+def _start_pool(workers: int):
+    """The parser processes. On Linux they are forked from this process once it has loaded the compiled
+    parser (from numba's cache, or compiled once), so each starts in milliseconds instead of importing
+    numba and loading the parser again (~1 s CPU each); no other thread runs yet. Elsewhere: spawned."""
+    import multiprocessing as mp
+    import sys
+
+    if sys.platform.startswith("linux"):
+        warm_up()
+        return mp.get_context("fork").Pool(workers)
+    return mp.get_context("spawn").Pool(workers)
+
+
+def _preload():
+    """Import what assembling the artifact needs (matplotlib above all, ~0.5 s) in a thread while the
+    files are parsed: the parser processes, or the compiled scan (it releases the GIL), leave the main
+    interpreter idle most of the time. -> the started thread (join it before leaving)."""
+    import threading
+
+    def work():
+        from eldr_cli import plots
+        from eldr_cli.capture import assemble  # noqa: F401  (zarr, polars, the figures module)
+
+        plots.plt()
+
+    thread = threading.Thread(target=work, name="eldr-preload-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _check_inputs(root: Path, out: Path, eval_fraction: float) -> Iterator[Path]:
@@ -248,16 +204,17 @@ class _Accumulator:
     """Checks each parsed file against the ones before it (one model, same MoE layers and k) and
     turns it into a staging row; counts and names the files that could not be parsed."""
 
-    def __init__(self, root: Path, top_k: int | None, seed: int, eval_fraction: float, log):
-        self.root, self.top_k, self.seed, self.eval_fraction, self.log = root, top_k, seed, eval_fraction, log
+    def __init__(self, root: Path, top_k: int | None, log):
+        self.root, self.top_k, self.log = root, top_k, log
         self.layer_ids: tuple | None = None
         self.model_key: str | None = None
         self.k_seen: int | None = None
         self.E_max = 0
         self.n_files = self.n_bad = 0
         self.bad_examples: list[str] = []
+        self.digests: dict[str, str] = {}  # path -> sha256 of the bytes parsed (first HASH_FILES_MAX files)
 
-    def add(self, p: Path, parsed, err: str | None):
+    def add(self, p: str, parsed, err: str | None):
         self.n_files += 1
         if err is not None:
             self.n_bad += 1
@@ -265,8 +222,7 @@ class _Accumulator:
                 self.bad_examples.append(f"{p}: {err}")
             self.log(f"[yellow]warning:[/] skipping {p}: {err}")
             return None
-        layers, prefill, picks, T, E = parsed
-        mk, bench, subject, rid = _labels(self.root, p)
+        layers, prefill, dec, picks, T, E, mk, row = parsed
         if self.model_key is None:
             self.model_key = mk
         elif mk != self.model_key:
@@ -284,9 +240,13 @@ class _Accumulator:
         if k_file != self.k_seen:
             raise EldrError(f"{p}: {k_file} experts per token, other files have {self.k_seen}")
         self.E_max = max(self.E_max, E)
-        split = "evaluation" if _is_eval(rid, self.seed, self.eval_fraction) else "calibration"
-        return (prefill, picks, T, {"request_id": rid, "domain": subject, "language": "und", "prompt_tokens": T,
-                                    "decode_tokens": picks.shape[0], "source": bench, "split": split, "prompt": ""})
+        return prefill, dec, picks, T, row
+
+    def source_digests(self) -> dict[str, str] | None:
+        """The digests keyed by path relative to the root (as the input hash names them)."""
+        root = str(self.root)
+        rel = {r: d for p, d in self.digests.items() if (r := _rel(root, p))}
+        return rel
 
 
 def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: int | None, top_k: int | None,
@@ -312,8 +272,10 @@ def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: in
               "split_method": "seeded hash of request id"}
     metrics = {"n_files": acc.n_files, "n_skipped_files": acc.n_bad, "import_wall_s": round(wall, 3),
                "files_per_s": round(acc.n_files / wall, 1) if wall > 0 else None}
+    small = acc.n_files <= HASH_FILES_MAX  # larger trees are not hashed (minutes of reading for a record)
     written = assemble_trace(staging, out, model=model, params=params,
-                             inputs={"source_tree": root} if acc.n_files <= 2000 else None, metrics=metrics)
+                             inputs={"source_tree": root} if small else None, metrics=metrics,
+                             input_digests={"source_tree": acc.source_digests() or {}} if small else None)
     return ImportResult(out, written)
 
 
@@ -322,14 +284,12 @@ def _flush(staging, chunk: int, buf: list) -> None:
     L = buf[0][0].shape[0]
     pre = np.zeros((len(buf), L, E), dtype=np.int32)
     dec = np.zeros((len(buf), L, E), dtype=np.int32)
-    for i, (prefill, picks, _T, _row) in enumerate(buf):
+    for i, (prefill, dcounts, _picks, _T, _row) in enumerate(buf):
         pre[i, :, :prefill.shape[1]] = prefill
-        if picks.size:
-            flat = picks.astype(np.int64) + (np.arange(L) * E)[None, :, None]
-            dec[i] = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)
-    k = buf[0][1].shape[2]
+        dec[i, :, :dcounts.shape[1]] = dcounts
+    k = buf[0][2].shape[2]
     arrays = {"prefill_counts": pre, "decode_counts": dec,
-              "decode_steps": np.array([b[1].shape[0] for b in buf], dtype=np.int32),
-              "prompt_tokens": np.array([b[2] for b in buf], dtype=np.int32),
-              "decode_picks": np.concatenate([b[1] for b in buf]) if buf else np.zeros((0, L, k), np.int16)}
-    staging.write_chunk(chunk, arrays, [b[3] for b in buf], [], {})
+              "decode_steps": np.array([b[2].shape[0] for b in buf], dtype=np.int32),
+              "prompt_tokens": np.array([b[3] for b in buf], dtype=np.int32),
+              "decode_picks": np.concatenate([b[2] for b in buf]) if buf else np.zeros((0, L, k), np.int16)}
+    staging.write_chunk(chunk, arrays, [b[4] for b in buf], [], {})

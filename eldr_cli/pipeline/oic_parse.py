@@ -63,7 +63,7 @@ def _number(b, i):
     return v, j
 
 
-@_compiled()
+@_compiled(nogil=True)  # releases the GIL: the import overlaps its other work with the scan
 def _scan(b, vals, m_elem, m_key, m_start, m_nl):
     """One pass over the bytes: every object member (element, key, first value index, number of
     id lists, or -1 for null) and every id in order. -> (status, members, ids, elements, k)."""
@@ -160,7 +160,7 @@ def _scan(b, vals, m_elem, m_key, m_start, m_nl):
     return _OK, nm, nv, n_elem, k
 
 
-@_compiled()
+@_compiled(nogil=True)  # releases the GIL: the import overlaps its other work with the scan
 def _build(vals, m_elem, m_key, m_start, m_nl, nm, n_elem, k):
     """The scanned members -> (status, layer ids, prefill counts [L, E], decode picks [N, L, k], T, E),
     checking what the JSON path requires (same token count per prefill layer, each decode step one
