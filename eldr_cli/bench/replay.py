@@ -89,7 +89,8 @@ class TraceReplay:
         (``roofline.load_roofline``); decode steps then charge KV at each request's current context."""
         if trace.decode_picks is None or trace.decode_offsets is None:
             raise EldrError(f"trace {trace.path or ''} has no per-step decode picks, which replay needs",
-                            hint="capture with per-step picks (the default) or `eldr synth-trace --picks`")
+                            hint="capture again (`eldr capture --model M --prompts P --max-new-tokens N` records "
+                                 "per-step picks) or `eldr synth-trace --picks`")
         self.trace = trace
         self.cost = cost
         # a cost model that carries its roofline (CostModel.load of a roofline artifact may return one) needs

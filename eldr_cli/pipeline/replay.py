@@ -128,8 +128,8 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
     tr = read_trace(trace_path, with_picks=True)
     if tr.decode_picks is None or tr.decode_offsets is None:
         raise EldrError(f"trace {trace_path} has no per-step decode picks, which replay needs",
-                        hint="capture with per-step picks (`eldr capture --picks ... --max-new-tokens N`) or "
-                             "generate with `eldr synth-trace --picks`")
+                        hint="capture again (`eldr capture --model M --prompts P --max-new-tokens N` records "
+                             "per-step picks) or generate with `eldr synth-trace --picks`")
     model = RoutingModel.load(routing)
     if tuple(model.shape) != (tr.num_layers, tr.num_experts):
         raise EldrError(f"the trace has L={tr.num_layers}, E={tr.num_experts} but the routing artifact expects "

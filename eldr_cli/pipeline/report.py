@@ -163,8 +163,8 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
     tr = read_trace(trace)
     if tr.decode_picks is None or tr.decode_offsets is None:
         raise EldrError(f"trace {trace} has no per-step decode picks, which the report's simulation needs",
-                        hint="capture again with per-step picks (`eldr capture --picks ... --max-new-tokens N`) "
-                             "or generate with `eldr synth-trace --picks`")
+                        hint="capture again (`eldr capture --model M --prompts P --max-new-tokens N` records "
+                             "per-step picks) or generate with `eldr synth-trace --picks`")
     R, L, E = tr.prefill_counts.shape
     top_k = int(tr.model.get("top_k") or 1)
     n_prefill = prefill or 2
