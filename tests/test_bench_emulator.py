@@ -3,6 +3,7 @@ driven by the real `eldr bench sweep`, and the simulator agreeing with it on med
 within 10% at 2P4D, 10 req/s). Also the PD protocol over the official openai client, and failures
 counted by `bench serve`."""
 
+import contextlib
 import json
 import os
 import signal
@@ -38,19 +39,10 @@ def _stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.synth import synthetic_trace
-
-    d = tmp_path_factory.mktemp("emu")
-    t = synthetic_trace(300, 4, 32, 4, decode_steps=48, with_picks=True, prompt_tokens=(20, 80), seed=3)
-    write_trace(d / "trace", t)
-    run_fit(d / "trace", d / "fit", decoders=4, figures=False, pairs=4000)
-    # a given cost model (not measured) so the test does not depend on this machine's speed
-    write_cost_model(d / "cost", CostModel(a_ms=0.5, b_ms=1.0, c_ms=0.1, e_ms=0.2, d_ms=0.05, source="given",
-                                           top_k=4))
+@contextlib.contextmanager
+def _emulated_cluster(d: Path):
+    """`eldr emulate` 2P4D over d/trace and d/cost + `eldr serve-proxy` with d/fit (admin token t0ken);
+    yields (cluster info, proxy URL); stops both on exit."""
     base = free_port_range(7)
     procs = []
     try:
@@ -68,10 +60,27 @@ def cluster(tmp_path_factory):
             args += ["--decode", u]
         procs.append(_start(args, d / "proxy.log", env={"ELDR_ADMIN_TOKEN": "t0ken"}))
         wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=procs[1], log=d / "proxy.log")
-        yield {"dir": d, "info": info, "proxy": f"http://127.0.0.1:{proxy_port}", "trace": t}
+        yield info, f"http://127.0.0.1:{proxy_port}"
     finally:
         for p in reversed(procs):
             _stop(p)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.synth import synthetic_trace
+
+    d = tmp_path_factory.mktemp("emu")
+    t = synthetic_trace(300, 4, 32, 4, decode_steps=48, with_picks=True, prompt_tokens=(20, 80), seed=3)
+    write_trace(d / "trace", t)
+    run_fit(d / "trace", d / "fit", decoders=4, figures=False, pairs=4000)
+    # a given cost model (not measured) so the test does not depend on this machine's speed
+    write_cost_model(d / "cost", CostModel(a_ms=0.5, b_ms=1.0, c_ms=0.1, e_ms=0.2, d_ms=0.05, source="given",
+                                           top_k=4))
+    with _emulated_cluster(d) as (info, proxy):
+        yield {"dir": d, "info": info, "proxy": proxy, "trace": t}
 
 
 def test_emulated_sweep_agrees_with_simulator(cluster):
@@ -189,27 +198,8 @@ def imported_cluster(tmp_path_factory):
     run_fit(d / "trace", d / "fit", decoders=4, figures=False, pairs=4000)
     write_cost_model(d / "cost", CostModel(a_ms=0.5, b_ms=1.0, c_ms=0.1, e_ms=0.2, d_ms=0.05, source="given",
                                            top_k=2))
-    base = free_port_range(7)
-    procs = []
-    try:
-        procs.append(_start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace",
-                             str(d / "trace"), "--cost-model", str(d / "cost"), "--base-port", str(base),
-                             "--cluster-file", str(d / "cluster.json")], d / "emu.log"))
-        wait_file(d / "cluster.json", 30, proc=procs[0], log=d / "emu.log")
-        info = json.loads((d / "cluster.json").read_text())
-        proxy_port = base + 6
-        args = [PY, "-m", "eldr_cli", "serve-proxy", "--routing", str(d / "fit"), "--policy", "round-robin",
-                "--port", str(proxy_port), "--log-level", "warning"]
-        for u in info["prefill"]:
-            args += ["--prefill", u]
-        for u in info["decode"]:
-            args += ["--decode", u]
-        procs.append(_start(args, d / "proxy.log", env={"ELDR_ADMIN_TOKEN": "t0ken"}))
-        wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=procs[1], log=d / "proxy.log")
-        yield {"dir": d, "info": info, "proxy": f"http://127.0.0.1:{proxy_port}"}
-    finally:
-        for p in reversed(procs):
-            _stop(p)
+    with _emulated_cluster(d) as (info, proxy):
+        yield {"dir": d, "info": info, "proxy": proxy}
 
 
 def test_emulated_imported_trace_agrees_with_simulator(imported_cluster):
