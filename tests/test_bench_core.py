@@ -328,17 +328,17 @@ def test_roofline_decode_step_charges_kv_at_current_context(imported_trace, tmp_
     import json as _json
 
     from eldr_cli.artifacts.trace import read_trace
-    from eldr_cli.costmodel.roofline import load_roofline, run_cost_model
+    from eldr_cli.costmodel.roofline import run_cost_model
 
     cfg = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                num_experts=16, num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=2,
                vocab_size=1000)
     (tmp_path / "config.json").write_text(_json.dumps(cfg))
     run_cost_model(tmp_path / "cm", tmp_path / "config.json", device="H100-SXM")
-    roof = load_roofline(tmp_path / "cm")
-    assert roof is not None and load_roofline(_measured(tmp_path)) is None
+    roof = getattr(CostModel.load(tmp_path / "cm"), "roofline", None)
+    assert roof is not None and getattr(CostModel.load(_measured(tmp_path)), "roofline", None) is None
     tr = read_trace(imported_trace)
-    rep = TraceReplay(tr, CostModel.load(tmp_path / "cm"), roofline=roof)
+    rep = TraceReplay(tr, CostModel.load(tmp_path / "cm"))
     rows = np.arange(4)
     early, a0 = rep.decode_step_ms(rows, np.zeros(4, dtype=np.int64))
     late, a1 = rep.decode_step_ms(rows, np.full(4, 6000, dtype=np.int64))  # same captured step (6000 % 6 == 0)

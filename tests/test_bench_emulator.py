@@ -83,18 +83,24 @@ def cluster(tmp_path_factory):
         yield {"dir": d, "info": info, "proxy": proxy, "trace": t}
 
 
-def test_emulated_sweep_agrees_with_simulator(cluster):
-    d = cluster["dir"]
-    common = ["--rates", "10", "--duration", "12", "--warmup", "3", "--max-tokens", "40", "--split", "all",
-              "--routers", "round-robin,eldr", "--seed", "1"]
-    rc = run(["bench", "sweep", "--url", cluster["proxy"], "--prompts", str(d / "trace"), "--admin-token", "t0ken",
-              "--cluster", str(d / "cluster.json"), "--out", str(d / "emulated"), "--no-live", *common])
+def _sweep_and_simulate(d: Path, proxy: str, common: list[str], sweep_only: tuple = ()) -> tuple[dict, dict]:
+    """`bench sweep` through the proxy of the emulated cluster in d and `bench simulate` of the same
+    trace, cost model and fit with the same ``common`` arguments -> (emulated summary, simulated summary)."""
+    rc = run(["bench", "sweep", "--url", proxy, "--admin-token", "t0ken", "--cluster", str(d / "cluster.json"),
+              "--out", str(d / "emulated"), "--no-live", *sweep_only, *common])
     assert rc == 0
     rc = run(["bench", "simulate", "--trace", str(d / "trace"), "--cost-model", str(d / "cost"), "--routing",
               str(d / "fit"), "--prefill", "2", "--decode", "4", "--out", str(d / "simulated"), *common])
     assert rc == 0
-    emu = json.loads((d / "emulated" / "summary.json").read_text())
-    sim = json.loads((d / "simulated" / "summary.json").read_text())
+    return (json.loads((d / "emulated" / "summary.json").read_text()),
+            json.loads((d / "simulated" / "summary.json").read_text()))
+
+
+def test_emulated_sweep_agrees_with_simulator(cluster):
+    d = cluster["dir"]
+    common = ["--rates", "10", "--duration", "12", "--warmup", "3", "--max-tokens", "40", "--split", "all",
+              "--routers", "round-robin,eldr", "--seed", "1"]
+    emu, sim = _sweep_and_simulate(d, cluster["proxy"], common, sweep_only=("--prompts", str(d / "trace")))
     assert emu["mode"] == "emulated" and "EMULATED" in emu["label"]
     assert sim["mode"] == "simulated"
     for e, s in zip(emu["runs"], sim["runs"], strict=True):
@@ -214,14 +220,7 @@ def test_emulated_imported_trace_agrees_with_simulator(imported_cluster):
     common = ["--rates", "30", "--duration", "12", "--warmup", "3", "--max-tokens", "40",
               "--routers", "round-robin,eldr", "--seed", "1"]
     # no --prompts: the emulated trace's own evaluation rows
-    rc = run(["bench", "sweep", "--url", imported_cluster["proxy"], "--admin-token", "t0ken",
-              "--cluster", str(d / "cluster.json"), "--out", str(d / "emulated"), "--no-live", *common])
-    assert rc == 0
-    rc = run(["bench", "simulate", "--trace", str(d / "trace"), "--cost-model", str(d / "cost"), "--routing",
-              str(d / "fit"), "--prefill", "2", "--decode", "4", "--out", str(d / "simulated"), *common])
-    assert rc == 0
-    emu = json.loads((d / "emulated" / "summary.json").read_text())
-    sim = json.loads((d / "simulated" / "summary.json").read_text())
+    emu, sim = _sweep_and_simulate(d, imported_cluster["proxy"], common)
     assert emu["mode"] == "emulated" and sim["mode"] == "simulated"
     n_eval = info["split_rows"]
     for e, s in zip(emu["runs"], sim["runs"], strict=True):

@@ -84,18 +84,17 @@ def prompt_of(body: dict, chat: bool) -> str:
 class TraceReplay:
     """Per-row prefill expert sets, per-step decode expert sets and the cost of a step."""
 
-    def __init__(self, trace: Trace, cost: CostModel, roofline=None):
-        """``roofline``: the :class:`~eldr_cli.costmodel.roofline.Roofline` behind ``cost`` when it is one
-        (``roofline.load_roofline``); decode steps then charge KV at each request's current context."""
+    def __init__(self, trace: Trace, cost: CostModel):
+        """When ``cost`` is a roofline (``CostModel.load`` of a roofline artifact returns one carrying its
+        :class:`~eldr_cli.costmodel.roofline.Roofline`), decode steps charge KV at each request's current
+        context."""
         if trace.decode_picks is None or trace.decode_offsets is None:
             raise EldrError(f"trace {trace.path or ''} has no per-step decode picks, which replay needs",
                             hint="capture again (`eldr capture --model M --prompts P --max-new-tokens N` records "
                                  "per-step picks) or `eldr synth-trace --picks`")
         self.trace = trace
         self.cost = cost
-        # a cost model that carries its roofline (CostModel.load of a roofline artifact may return one) needs
-        # no separate argument
-        self.roofline = roofline if roofline is not None else getattr(cost, "roofline", None)
+        self.roofline = getattr(cost, "roofline", None)
         R, L, E = trace.prefill_counts.shape
         self.n_layers, self.num_experts = L, E
         self.token_scale = cost.token_scale(trace.model.get("top_k"))

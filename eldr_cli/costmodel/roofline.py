@@ -285,15 +285,3 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
         "facts": asdict(f), "n_layers": f.moe_layers, "num_experts": f.num_experts},
         metrics=metrics)
 
-
-def load_roofline(path: str | os.PathLike) -> Roofline | None:
-    """The :class:`Roofline` a `cost-model` artifact was written from (None for a measured one), so a
-    decode step can charge every running request's KV at its *current* context via ``step_ms``."""
-    from eldr_cli.artifacts.store import Artifact
-
-    p = Artifact(path).params
-    if p.get("source") != "roofline" or not isinstance(p.get("facts"), dict):
-        return None
-    return Roofline(ModelFacts(**p["facts"]), float(p["hbm_tbps"]), float(p["tflops_bf16"]), dtype=p["dtype"],
-                    tp=int(p["tp"]), ep=int(p["ep"]), efficiency=float(p["bandwidth_efficiency"]),
-                    overhead_us=float(p["overhead_us_per_layer"]))

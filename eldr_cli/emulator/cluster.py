@@ -74,12 +74,11 @@ def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str
         raise EldrError("--prefill and --decode must be >= 1")
     if not (0 < base_port and base_port + n_prefill + n_decode <= 65536):
         raise EldrError(f"--base-port {base_port} leaves no room for {n_prefill + n_decode} ports")
-    from eldr_cli.costmodel.roofline import load_roofline
     from eldr_cli.pipeline.simulate import check_cost_model
 
     cost = CostModel.load(cost_model)
     tr = read_trace(trace)
-    replay = TraceReplay(tr, cost, roofline=load_roofline(cost_model))
+    replay = TraceReplay(tr, cost)
     check_cost_model(replay, cost_model)
     if split is None:
         has_eval = "split" in tr.requests.columns and bool((tr.column("split") == "evaluation").any())

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from eldr_cli.bench.replay import TraceReplay, prefill_batch
-from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule
+from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule, row_ref
 from eldr_cli.errors import EldrError
 from eldr_cli.stages.routing import POLICIES
 
@@ -52,7 +52,7 @@ def trace_items(replay: TraceReplay, split: str | None) -> tuple[list[PromptItem
     texts = tr.column("prompt") if "prompt" in cols else [None] * tr.n_requests
     doms = tr.column("domain") if "domain" in cols else [None] * tr.n_requests
     ids = tr.column("request_id") if "request_id" in cols else np.arange(tr.n_requests)
-    items = [PromptItem(str(texts[r]) if texts[r] else f"trace-row:{ids[r]}",
+    items = [PromptItem(str(texts[r]) if texts[r] else row_ref(ids[r]),
                         str(doms[r]) if doms[r] is not None else None, str(ids[r])) for r in rows]
     return items, rows.astype(np.int64)
 
