@@ -98,3 +98,31 @@ def test_tampered_file_fails_verification(small_trace, tmp_path):
     assert any("requests.parquet" in p for p in Artifact(copy, verify=False).verify())
     with pytest.raises(EldrError, match="requests.parquet does not match its manifest"):
         Artifact(copy)  # reading verifies
+
+
+def test_row_writer_fills_whole_chunks_in_order(tmp_path, monkeypatch):
+    """Batches of any size land in row order; each chunk is written once, whole (no rewrite of a
+    partly filled chunk); too many or too few rows are refused."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 100, size=(23, 3, 2)).astype(np.int32)
+    with ArtifactWriter(tmp_path / "a", kind="idf", params={"transform": "count-idf", "split": "all"}) as w:
+        rows = w.create_rows("idf", 23, (3, 2), np.int32, chunk_rows=4)
+        writes = []
+        real = type(rows.arr).__setitem__
+        monkeypatch.setattr(type(rows.arr), "__setitem__",
+                            lambda self, key, value: (writes.append((key.start, key.stop)), real(self, key, value)))
+        for a, b in ((0, 3), (3, 4), (4, 13), (13, 13), (13, 23)):
+            rows.add(data[a:b])
+        rows.close()
+        monkeypatch.undo()
+        w.write_array("df", np.zeros((3, 2), np.int32))
+        w.metrics.update({"n_requests": 23, "idf_min": 0.0, "idf_max": 1.0, "cells_never_fired": 0})
+        with pytest.raises(ValueError, match="more rows"):
+            extra = w.create_rows("extra", 2, (), np.int32)
+            extra.add(np.zeros(3, np.int32))
+        short = w.create_rows("short", 5, (), np.int32)
+        short.add(np.zeros(2, np.int32))
+        with pytest.raises(ValueError, match="2 rows written of the 5"):
+            short.close()
+    np.testing.assert_array_equal(Artifact(tmp_path / "a").array("idf"), data)
+    assert writes == [(0, 4), (4, 12), (12, 20), (20, 23)]  # chunk-aligned; only the tail is partial

@@ -216,15 +216,12 @@ class ArtifactWriter:
         if data.size:
             arr[...] = data
 
-    def create_appendable(self, name: str, trailing_shape: tuple[int, ...], dtype, chunk_rows: int = 256):
-        """An array of shape [0, *trailing_shape] to grow with :meth:`append_array`."""
-        g = self._zgroup()
-        return g.create_array(name, shape=(0, *trailing_shape), dtype=dtype,
-                              chunks=(chunk_rows, *trailing_shape), overwrite=True)
-
-    def append_array(self, name: str, data: np.ndarray) -> None:
-        arr = self._zgroup()[name]
-        arr.append(np.ascontiguousarray(data, dtype=arr.dtype), axis=0)
+    def create_rows(self, name: str, n_rows: int, trailing_shape: tuple[int, ...], dtype,
+                    chunk_rows: int = 256) -> "RowWriter":
+        """An array of ``n_rows`` rows to fill in order, a batch at a time (:class:`RowWriter`)."""
+        arr = self._zgroup().create_array(name, shape=(n_rows, *trailing_shape), dtype=dtype,
+                                          chunks=(chunk_rows, *trailing_shape), overwrite=True)
+        return RowWriter(arr, chunk_rows)
 
     def write_table(self, name: str, df) -> None:
         df.write_parquet(self.path / f"{name}.parquet", statistics=False)
@@ -234,6 +231,41 @@ class ArtifactWriter:
 
     def figure_path(self, name: str) -> Path:
         return self.path / name
+
+
+class RowWriter:
+    """Fills a Zarr array of known length in row order. Batches of any size are held until they make
+    whole chunks, so each chunk is compressed and written once: appending 256-row batches to
+    1,024-row chunks rewrote every chunk four times (and resized the array each time)."""
+
+    def __init__(self, arr, chunk_rows: int):
+        self.arr, self.chunk_rows = arr, chunk_rows
+        self.at = 0
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        rows = np.asarray(rows, dtype=self.arr.dtype)
+        if self.at + self.n_pending + len(rows) > self.arr.shape[0]:
+            raise ValueError(f"{self.arr.name}: more rows than the {self.arr.shape[0]} declared")
+        self.pending.append(rows)
+        self.n_pending += len(rows)
+        if self.n_pending >= self.chunk_rows:
+            self._write(self.n_pending // self.chunk_rows * self.chunk_rows)
+
+    def close(self) -> None:
+        """Write what is held; every declared row must have been added."""
+        if self.n_pending:
+            self._write(self.n_pending)
+        if self.at != self.arr.shape[0]:
+            raise ValueError(f"{self.arr.name}: {self.at} rows written of the {self.arr.shape[0]} declared")
+
+    def _write(self, n: int) -> None:
+        buf = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+        self.arr[self.at:self.at + n] = buf[:n]
+        self.at += n
+        self.pending = [buf[n:]] if n < len(buf) else []
+        self.n_pending = len(buf) - n
 
 
 # -- reading -------------------------------------------------------------------------------

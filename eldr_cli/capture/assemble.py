@@ -43,30 +43,29 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
     with ArtifactWriter(out, kind="trace", params={**model, **params}, inputs=inputs,
                         input_digests=input_digests) as w:
         rows = 1024
-        w.create_appendable("prefill_counts", (L, E), np.int32, chunk_rows=rows)
-        w.create_appendable("decode_counts", (L, E), np.int32, chunk_rows=rows)
-        w.create_appendable("decode_steps", (), np.int32, chunk_rows=8192)
-        w.create_appendable("prompt_tokens", (), np.int32, chunk_rows=8192)
-        if has_gate:
-            w.create_appendable("prefill_gate_prob", (L, E), np.float32, chunk_rows=rows)
-            w.create_appendable("prefill_gate_logit", (L, E), np.float32, chunk_rows=rows)
+        n_steps = sum(int(staging.chunk_arrays(c)["decode_steps"].sum()) for c in chunks) if has_picks else 0
+        out_rows = {n: w.create_rows(n, n_total, (L, E), np.float32 if "gate" in n else np.int32, chunk_rows=rows)
+                    for n in COUNT_ARRAYS if has_gate or "gate" not in n}
+        out_rows["decode_steps"] = w.create_rows("decode_steps", n_total, (), np.int32, chunk_rows=8192)
+        out_rows["prompt_tokens"] = w.create_rows("prompt_tokens", n_total, (), np.int32, chunk_rows=8192)
         if has_picks:
-            w.create_appendable("decode_picks", (L, k), np.int16, chunk_rows=8192)
+            out_rows["decode_picks"] = w.create_rows("decode_picks", n_steps, (L, k), np.int16, chunk_rows=8192)
         steps_all = []
         for c in chunks:
             a = staging.chunk_arrays(c)
             doms = pl.read_parquet(staging.chunk_table(c), columns=["domain"])["domain"].to_list()
             arrs = {n: _pad_experts(a[n], E) for n in COUNT_ARRAYS if n in a.files}
-            for n, v in arrs.items():
-                w.append_array(n, v)
-            w.append_array("decode_steps", a["decode_steps"])
-            w.append_array("prompt_tokens", a["prompt_tokens"])
-            if has_picks and len(a["decode_picks"]):
-                w.append_array("decode_picks", a["decode_picks"])
             if (arrs["decode_counts"].max(axis=2, initial=0) > a["decode_steps"][:, None]).any():
                 raise EldrError(f"chunk {c}: decode counts exceed decode steps (corrupt staging data)")
+            for n, v in arrs.items():
+                out_rows[n].add(v)
+            for n in ("decode_steps", "prompt_tokens", "decode_picks"):
+                if n in out_rows:
+                    out_rows[n].add(a[n])
             steps_all.append(a["decode_steps"].astype(np.int64))
             agg.update(arrs["prefill_counts"], arrs["decode_counts"], a["prompt_tokens"], a["decode_steps"], doms)
+        for r in out_rows.values():
+            r.close()
         steps = np.concatenate(steps_all)
         if has_picks:
             w.write_array("decode_offsets", np.concatenate([[0], np.cumsum(steps)]).astype(np.int64))
