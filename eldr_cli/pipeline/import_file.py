@@ -168,5 +168,7 @@ def _is_eval(request_id: str, seed: int, fraction: float) -> bool:
 
 
 def warm_up() -> None:
-    """Load (or compile) the fast parser now, on a two-line file."""
-    _fast_parse(b'[{"0":[[1]]},{"0":[[1]]}]')
+    """Load (or compile) the fast parser now."""
+    from eldr_cli.pipeline import oic_parse
+
+    oic_parse.load()

@@ -16,6 +16,8 @@ any other key). A byte-level state machine over the whole file costs well under 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import njit
 
@@ -251,9 +253,38 @@ def _buffers(n_bytes: int):
     return _scratch["vals"], _scratch["members"]
 
 
+_loaded = False
+
+
+def load() -> None:
+    """Load the compiled parser (from numba's cache, or compile it) on a two-line file.
+
+    On its first compile or cache load numba imports its numpy support, one module of which probes
+    for a BLAS by importing scipy.linalg: 0.15-0.4 s of every import, for a parser that calls no
+    BLAS. That happens here with scipy.linalg hidden (unless something imported it already); numba
+    then only records that its own compiled ``np.dot`` has no BLAS, which no eldr code uses."""
+    global _loaded
+    if _loaded:
+        return
+    hide = "scipy.linalg" not in sys.modules
+    if hide:
+        sys.modules["scipy.linalg"] = None  # type: ignore[assignment]  # import -> ImportError
+    try:
+        _loaded = True
+        fast_parse(b'[{"0":[[1]]},{"0":[[1]]}]')
+    except BaseException:
+        _loaded = False
+        raise
+    finally:
+        if hide and sys.modules.get("scipy.linalg", 0) is None:
+            del sys.modules["scipy.linalg"]
+
+
 def fast_parse(raw: bytes):
     """-> (layer ids tuple, prefill int32 [L, E], decode picks int16 [N, L, k], T, E) for the common
     layout, or None (then the JSON parser decides). Same result as the JSON path."""
+    if not _loaded:
+        load()
     b = np.frombuffer(raw, dtype=np.uint8)
     vals, (m_elem, m_key, m_start, m_nl) = _buffers(b.size)
     status, nm, _nv, n_elem, k = _scan(b, vals, m_elem, m_key, m_start, m_nl)
