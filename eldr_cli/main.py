@@ -209,7 +209,19 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    code = run()
+    from eldr_cli.commands._common import teardown_skipped
+
+    if code == 0 and teardown_skipped():
+        import os
+
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:  # `eldr ... | head`
+            pass
+        os._exit(0)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

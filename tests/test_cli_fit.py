@@ -170,3 +170,16 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
     assert p.returncode == 2
     assert "error:" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_fit_exits_without_teardown_after_a_complete_run(trace_dir, tmp_path):
+    """`eldr fit` skips the interpreter's teardown once its artifact is in place: the whole summary
+    still reaches a pipe and the exit code is 0."""
+    args = [sys.executable, "-m", "eldr_cli", "fit", "--trace", str(trace_dir), "--decoders", "4",
+            "--pairs", "3000", "--no-figures", "--out", str(tmp_path / "fit")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "fit took" in "".join(r.stdout.rstrip().splitlines()[-2:]), r.stdout
+    assert "Traceback" not in r.stderr
+    assert Artifact(tmp_path / "fit" / "routing").metrics["n_signatures"] > 0
+    assert not _leftovers(tmp_path)

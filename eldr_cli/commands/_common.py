@@ -8,6 +8,20 @@ import typer
 
 SPLIT_NAMES = ("calibration", "evaluation", "all")
 
+_done: dict[str, bool] = {"skip_teardown": False}
+
+
+def skip_teardown() -> None:
+    """Called by an offline command once its artifact is renamed into place and its summary printed:
+    `eldr` then exits without the interpreter's teardown (tearing down zarr's I/O threads, polars,
+    matplotlib and numba took ~0.2 s of a 3 s `eldr fit`). Only on success; nothing is left to flush
+    but the standard streams, which are flushed first."""
+    _done["skip_teardown"] = True
+
+
+def teardown_skipped() -> bool:
+    return _done["skip_teardown"]
+
 
 def _split(value: Optional[str]) -> Optional[str]:
     if value is not None and value not in SPLIT_NAMES:

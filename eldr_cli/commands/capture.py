@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from eldr_cli.commands._common import force_option, fraction, replacing
+from eldr_cli.commands._common import force_option, fraction, replacing, skip_teardown
 
 
 def capture_cmd(
@@ -58,6 +58,7 @@ def capture_cmd(
             res = import_trace(from_trace, out, num_experts=num_experts, top_k=top_k, seed=seed,
                                eval_fraction=eval_fraction, workers=workers, progress=progress, log=log)
         _summary(console, out, res.metrics, title=f"imported {from_trace}")
+        skip_teardown()
         return
     if model is None or prompts is None:
         raise EldrError("eldr capture needs --model DIR and --prompts FILE (or --from-trace DIR)")

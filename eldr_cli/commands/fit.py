@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from eldr_cli.commands._common import force_option, replacing, split_option
+from eldr_cli.commands._common import force_option, replacing, skip_teardown, split_option
 
 TRACE = typer.Option(..., "--trace", help="Trace artifact (from `eldr capture`).")
 SPLIT = split_option("calibration", help="Requests to fit on: calibration, evaluation or all.")
@@ -28,6 +28,7 @@ def fit_idf_cmd(trace: Path = TRACE, out: Path = typer.Option(Path("artifacts/fi
     m = Artifact(out).metrics
     console.print(f"[green]idf[/] -> {out}: {m['n_requests']} requests, w in [{m['idf_min']:.3f}, "
                   f"{m['idf_max']:.3f}], {m['cells_never_fired']} cells never fired ({m['wall_time_s']:.2f} s)")
+    skip_teardown()
 
 
 def select_layers_cmd(
@@ -47,6 +48,7 @@ def select_layers_cmd(
     with replacing(out, force):
         run_select_layers(trace, idf, out, pairs=pairs, transform=transform, seed=seed, split=split)
     _print_layers(out)
+    skip_teardown()
 
 
 def cluster_cmd(
@@ -66,6 +68,7 @@ def cluster_cmd(
     with replacing(out, force):
         run_cluster(trace, layers, out, decoders=decoders, vanilla=vanilla, seed=seed, tau=tau, split=split)
     _print_routing(out)
+    skip_teardown()
 
 
 def fit_cmd(
@@ -92,6 +95,7 @@ def fit_cmd(
     _print_layers(out / "layers")
     _print_routing(out / "routing")
     console.print(f"fit took {Artifact(out).metrics['fit_s']:.2f} s -> [bold]{out / 'routing'}[/]")
+    skip_teardown()
 
 
 def _print_layers(path: Path) -> None:
