@@ -213,3 +213,20 @@ def test_choose_falls_back_to_the_least_loaded_healthy_worker():
     assert rr.choose([0, 5, 1], healthy=[False, True, True]) == 2  # its pick (0) is down
     assert rr.choose([0, 5, 1], healthy=[True, True, True]) == 1  # healthy pick kept
     assert make_policy("jsq", 3).choose([0, 5, 1]) == 0  # no health given: the policy's own pick
+
+
+def test_gram_distances_do_not_depend_on_blas_threads(monkeypatch):
+    """The Gram matrix takes one BLAS thread per idle core; its distances must be the same bits for
+    any thread count, or rho would depend on how busy the machine is."""
+    import os
+
+    from eldr_cli.stages.signature import pair_cosine_distance_fast, sample_pairs
+
+    x = np.random.default_rng(0).poisson(3.0, size=(700, 12, 64)).astype(np.float32)
+    pairs = sample_pairs(len(x), 5000, seed=0)
+    got = {}
+    for load in (0.0, 1.0, 64.0):  # 2, 1 and (at least) 1 thread on a 2-core machine
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        got[load] = pair_cosine_distance_fast(x, pairs)
+    np.testing.assert_array_equal(got[0.0], got[1.0])
+    np.testing.assert_array_equal(got[0.0], got[64.0])
