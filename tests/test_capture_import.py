@@ -207,3 +207,22 @@ def test_two_workers_write_the_same_artifact_and_input_hash(tmp_path):
     t1, t2 = read_trace(tmp_path / "out1"), read_trace(tmp_path / "out2")
     np.testing.assert_array_equal(t1.prefill_counts, t2.prefill_counts)
     assert t1.n_requests == 27
+
+
+@pytest.mark.parametrize("workers,chunk_files", [(1, 256), (1, 2), (2, 2)])
+def test_files_that_disagree_are_named_in_or_across_batches(tmp_path, capsys, workers, chunk_files):
+    """Parser processes stage a batch of files each; a file whose MoE layers or k differ from the first
+    file's is still named (whether it shares a batch with good files or not) and nothing is left."""
+    good = '[{"0": [[1, 2], [3, 4]], "1": [[0, 5], [2, 3]]}, {"0": [[1, 2]], "1": [[0, 3]]}]'
+    for bad, msg in (('[{"0": [[1, 2]], "2": [[0, 5]]}, {"0": [[1, 2]], "2": [[0, 3]]}]', "MoE layers"),
+                     ('[{"0": [[1]], "1": [[0]]}, {"0": [[1]], "1": [[0]]}]', "1 experts per token")):
+        root = tmp_path / msg.split()[-1] / "acme" / "M"
+        d = root / "mmlu" / "law"
+        d.mkdir(parents=True)
+        for i in range(5):
+            (d / f"{i}.json").write_text(bad if i == 3 else good)
+        out = tmp_path / f"out-{workers}-{chunk_files}"
+        with pytest.raises(EldrError, match=msg) as e:
+            importer.import_trace(root, out, workers=workers, chunk_files=chunk_files, progress=False)
+        assert "3.json" in str(e.value)
+        assert not out.exists() and not staging_dir(out).exists()

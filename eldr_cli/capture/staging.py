@@ -34,6 +34,24 @@ def _atomic_write_bytes(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def write_chunk_arrays(staging: Path, chunk: int, arrays: dict[str, np.ndarray]) -> None:
+    """A chunk's arrays (``chunk-N.npz``), written under a temporary name and renamed. numpy only, so a
+    forked parser process may call it (polars' thread pool does not survive a fork)."""
+    path = Path(staging) / f"chunk-{chunk:06d}.npz"
+    _atomic_write_bytes(path, lambda p: np.savez(open(p, "wb"), **arrays))  # type: ignore[arg-type]
+
+
+def write_chunk_table(staging: Path, chunk: int, rows) -> None:
+    """A chunk's request rows (``chunk-N.parquet``), written under a temporary name and renamed."""
+    import polars as pl
+
+    df = pl.DataFrame(rows, schema={"request_id": pl.Utf8, "domain": pl.Utf8, "language": pl.Utf8,
+                                    "prompt_tokens": pl.Int32, "decode_tokens": pl.Int32,
+                                    "source": pl.Utf8, "split": pl.Utf8, "prompt": pl.Utf8})
+    path = Path(staging) / f"chunk-{chunk:06d}.parquet"
+    _atomic_write_bytes(path, lambda p: df.write_parquet(p))
+
+
 class Staging:
     def __init__(self, out: Path, fingerprint: dict):
         self.out = Path(out)
@@ -81,15 +99,13 @@ class Staging:
 
     def write_chunk(self, chunk: int, arrays: dict[str, np.ndarray], rows, skipped: list[dict],
                     stats: dict) -> None:
-        import polars as pl
+        write_chunk_arrays(self.dir, chunk, arrays)
+        write_chunk_table(self.dir, chunk, rows)
+        self.chunk_done(chunk, len(rows), skipped, stats)
 
-        base = self.dir / f"chunk-{chunk:06d}"
-        _atomic_write_bytes(base.with_suffix(".npz"), lambda p: np.savez(open(p, "wb"), **arrays))  # type: ignore[arg-type]
-        df = pl.DataFrame(rows, schema={"request_id": pl.Utf8, "domain": pl.Utf8, "language": pl.Utf8,
-                                        "prompt_tokens": pl.Int32, "decode_tokens": pl.Int32,
-                                        "source": pl.Utf8, "split": pl.Utf8, "prompt": pl.Utf8})
-        _atomic_write_bytes(base.with_suffix(".parquet"), lambda p: df.write_parquet(p))
-        self.state["chunks"][str(chunk)] = {"n": len(rows), **stats}
+    def chunk_done(self, chunk: int, n_rows: int, skipped: list[dict], stats: dict) -> None:
+        """Record a chunk whose arrays and table are written (the arrays maybe by another process)."""
+        self.state["chunks"][str(chunk)] = {"n": n_rows, **stats}
         self.state["skipped"].extend(skipped)
         self._write_state()
 

@@ -172,3 +172,44 @@ def warm_up() -> None:
     from eldr_cli.pipeline import oic_parse
 
     oic_parse.load()
+
+
+def stage_batch(job: _Job, staging: str, batch: tuple[int, list[tuple[str, bool]]]):
+    """A batch of files -> the arrays of staging chunk ``chunk``, written by the process that parsed
+    them (so the main process handles no arrays: with ``--workers 2`` it was the limit). -> (chunk,
+    results, rows): chunk is None if no arrays were written (no file parsed, or files that disagree,
+    which the main process then names); results one (path, error or None, digest or None, facts or
+    None) per file in order, facts = (layer ids, k, E', model key); rows the request rows of the
+    parsed files (the main process writes them: polars does not survive a fork)."""
+    from eldr_cli.capture.staging import write_chunk_arrays
+
+    chunk, tasks = batch
+    results, parsed = [], []
+    for task in tasks:
+        path, err, digest, p = _parse_for_import(job, task)
+        if p is None:
+            results.append((path, err, digest, None))
+            continue
+        layers, _prefill, _dec, picks, _T, E, mk, _row = p
+        results.append((path, None, digest, (layers, picks.shape[2], E, mk)))
+        parsed.append(p)
+    if not parsed or len({(p[0], p[3].shape[2]) for p in parsed}) > 1:
+        return None, results, []
+    write_chunk_arrays(Path(staging), chunk, chunk_arrays(parsed))
+    return chunk, results, [p[7] for p in parsed]
+
+
+def chunk_arrays(parsed: list) -> dict[str, np.ndarray]:
+    """The staging arrays of parsed files of one model (same layers and k), experts padded to the
+    largest E' among them."""
+    E = max(p[1].shape[1] for p in parsed)
+    L = parsed[0][1].shape[0]
+    pre = np.zeros((len(parsed), L, E), dtype=np.int32)
+    dec = np.zeros((len(parsed), L, E), dtype=np.int32)
+    for i, (_layers, prefill, dcounts, _picks, _T, _E, _mk, _row) in enumerate(parsed):
+        pre[i, :, :prefill.shape[1]] = prefill
+        dec[i, :, :dcounts.shape[1]] = dcounts
+    return {"prefill_counts": pre, "decode_counts": dec,
+            "decode_steps": np.array([p[3].shape[0] for p in parsed], dtype=np.int32),
+            "prompt_tokens": np.array([p[4] for p in parsed], dtype=np.int32),
+            "decode_picks": np.concatenate([p[3] for p in parsed])}

@@ -22,15 +22,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline.import_file import (  # noqa: F401  (parse_trace_file: the public per-file parser)
     BadTraceFile,
     _Job,
-    _parse_for_import,
     _rel,
     parse_trace_file,
+    stage_batch,
     warm_up,
 )
 
@@ -100,7 +98,7 @@ def iter_trace_files(root: Path, skipped: list[tuple[Path, str]] | None = None):
 def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None = None, seed: int = 0,
                  eval_fraction: float = 0.2, workers: int = 1, chunk_files: int = CHUNK_FILES,
                  progress: bool = True, log=None) -> ImportResult:
-    from eldr_cli.capture.staging import Staging
+    from eldr_cli.capture.staging import Staging, write_chunk_table
     from eldr_cli.pipeline.capture import _progress
 
     log = log or (lambda m: None)
@@ -112,36 +110,28 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     pool = None
     job = _Job(root, seed, eval_fraction)
     tasks = ((str(p), i < HASH_FILES_MAX) for i, p in enumerate(files))
+    batches = enumerate(_batched(tasks, chunk_files))  # one staging chunk per batch
+    stage = partial(stage_batch, job, str(staging.dir))
     if workers > 1:
         pool = _start_pool(workers)
     preload = _preload()  # matplotlib and the artifact writers' imports, while the files are parsed
     try:
-        if pool is not None:
-            results: Iterator[tuple] = pool.imap(partial(_parse_for_import, job), tasks, chunksize=16)
-        else:
-            results = (_parse_for_import(job, t) for t in tasks)
+        results: Iterator[tuple] = pool.imap(stage, batches) if pool is not None else map(stage, batches)
         acc = _Accumulator(root, top_k, log)
-        buf: list = []
-        chunk = 0
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
-            shown = 0.0  # the bar is updated ten times a second, not per file (~0.1 ms each)
-            for path, err, digest, parsed in results:
-                if digest is not None:
-                    acc.digests[path] = digest
-                row = acc.add(path, parsed, err)
-                if row is not None:
-                    buf.append(row)
-                if len(buf) >= chunk_files:
-                    _flush(staging, chunk, buf)
-                    chunk, buf = chunk + 1, []
-                if progress and (now := time.perf_counter()) - shown >= 0.1:
-                    bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0, busy_s=now - t0)
-                    shown = now
-            if progress:
-                bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0, busy_s=time.perf_counter() - t0)
-            if buf:
-                _flush(staging, chunk, buf)
+            for chunk, files_done, rows in results:
+                n_rows = 0
+                for path, err, digest, facts in files_done:
+                    if digest is not None:
+                        acc.digests[path] = digest
+                    n_rows += acc.add(path, facts, err)
+                if chunk is not None:
+                    write_chunk_table(staging.dir, chunk, rows)
+                    staging.chunk_done(chunk, n_rows, [], {})
+                if progress:
+                    bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0,
+                               busy_s=time.perf_counter() - t0)
         if pool is not None:
             pool.close()
         preload.join()
@@ -154,6 +144,12 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
         if pool is not None:
             pool.terminate()
         preload.join()  # never leave an import running in a daemon thread at exit
+
+
+def _batched(items, n: int):
+    it = iter(items)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
 
 
 def _start_pool(workers: int):
@@ -218,15 +214,17 @@ class _Accumulator:
         self.bad_examples: list[str] = []
         self.digests: dict[str, str] = {}  # path -> sha256 of the bytes parsed (first HASH_FILES_MAX files)
 
-    def add(self, p: str, parsed, err: str | None):
+    def add(self, p: str, facts, err: str | None) -> int:
+        """One file in order: facts = (layer ids, k, E', model key), or None with ``err``. -> 1 if it
+        makes a row of the trace, 0 if it was skipped; raises if it disagrees with the files before."""
         self.n_files += 1
         if err is not None:
             self.n_bad += 1
             if len(self.bad_examples) < 5:
                 self.bad_examples.append(f"{p}: {err}")
             self.log(f"[yellow]warning:[/] skipping {p}: {err}")
-            return None
-        layers, prefill, dec, picks, T, E, mk, row = parsed
+            return 0
+        layers, k_file, E, mk = facts
         if self.model_key is None:
             self.model_key = mk
         elif mk != self.model_key:
@@ -234,17 +232,14 @@ class _Accumulator:
                             hint="point --from-trace at one model's directory (<org>/<model>)")
         if self.layer_ids is None:
             self.layer_ids = layers
-            self.k_seen = picks.shape[2] if picks.size else self.top_k
+            self.k_seen = k_file
         elif layers != self.layer_ids:
             raise EldrError(f"{p}: MoE layers {list(layers)[:6]}... differ from the first file's "
                             f"{list(self.layer_ids)[:6]}...: files of different models mixed?")
-        k_file = picks.shape[2]
-        if self.k_seen is None:
-            self.k_seen = k_file
         if k_file != self.k_seen:
             raise EldrError(f"{p}: {k_file} experts per token, other files have {self.k_seen}")
         self.E_max = max(self.E_max, E)
-        return prefill, dec, picks, T, row
+        return 1
 
     def source_digests(self) -> dict[str, str] | None:
         """The digests keyed by path relative to the root (as the input hash names them)."""
@@ -281,19 +276,3 @@ def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: in
                              inputs={"source_tree": root} if small else None, metrics=metrics,
                              input_digests={"source_tree": acc.source_digests() or {}} if small else None)
     return ImportResult(out, written)
-
-
-def _flush(staging, chunk: int, buf: list) -> None:
-    E = max(b[0].shape[1] for b in buf)
-    L = buf[0][0].shape[0]
-    pre = np.zeros((len(buf), L, E), dtype=np.int32)
-    dec = np.zeros((len(buf), L, E), dtype=np.int32)
-    for i, (prefill, dcounts, _picks, _T, _row) in enumerate(buf):
-        pre[i, :, :prefill.shape[1]] = prefill
-        dec[i, :, :dcounts.shape[1]] = dcounts
-    k = buf[0][2].shape[2]
-    arrays = {"prefill_counts": pre, "decode_counts": dec,
-              "decode_steps": np.array([b[2].shape[0] for b in buf], dtype=np.int32),
-              "prompt_tokens": np.array([b[3] for b in buf], dtype=np.int32),
-              "decode_picks": np.concatenate([b[2] for b in buf]) if buf else np.zeros((0, L, k), np.int16)}
-    staging.write_chunk(chunk, arrays, [b[4] for b in buf], [], {})
