@@ -191,12 +191,13 @@ def pair_cosine_distance_fast(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     return _pair_cosine_distance_f32(np.asarray(x).reshape(len(x), -1).astype(np.float32), pairs)
 
 
-def _idle_core_blas_threads():
-    """BLAS threads for one large product (a Gram matrix): one per idle core (cores this process may
-    use minus the 1-minute load average), at least one. The fit otherwise runs BLAS on one thread (on
-    busy cores its spinning threads cost more than they gain); a single large SGEMM gains from an
-    idle second core (~0.07 -> 0.04 s per 1,000 x 6,144 Gram) and its result is the same bit for bit
-    (OpenBLAS splits the output, not the sums; tests/test_fit_stages.py checks it)."""
+def _all_core_blas_threads():
+    """BLAS threads for one large product (a Gram matrix): one per core this process may use. The fit
+    otherwise runs BLAS on one thread (on busy cores the spinning threads of its many small products
+    cost more than they gain); one large SGEMM gains from a second core (~0.07 -> 0.04 s per
+    1,000 x 6,144 Gram) and loses little when that core is busy (its half of the rows waits for CPU
+    time, as a single thread would). The result is the same bit for bit (OpenBLAS splits the output,
+    not the sums; tests/test_fit_stages.py checks it)."""
     import os
 
     try:
@@ -206,8 +207,7 @@ def _idle_core_blas_threads():
 
         return contextlib.nullcontext()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    idle = int(cores - os.getloadavg()[0]) if hasattr(os, "getloadavg") else 1
-    return threadpool_limits(max(1, min(cores, idle)), user_api="blas")
+    return threadpool_limits(max(1, cores), user_api="blas")
 
 
 def _pair_cosine_distance_f32(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
@@ -215,7 +215,7 @@ def _pair_cosine_distance_f32(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     n = np.linalg.norm(x, axis=1)
     x /= np.where(n > 0, n, 1.0)[:, None]
     if len(x) <= 4096:
-        with _idle_core_blas_threads():
+        with _all_core_blas_threads():
             g = x @ x.T
         return 1.0 - g[pairs[:, 0], pairs[:, 1]].astype(np.float64)
     return 1.0 - _grouped_pair_dots(x[:, None, :], pairs)[0]
