@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from eldr_cli.stages.signature import (
@@ -12,6 +14,7 @@ from eldr_cli.stages.signature import (
     apply_transform,
     pair_cosine_distance_fast,
     pair_cosine_distance_transformed,
+    rank_pool,
     sample_pairs,
     spearman_to_target,
 )
@@ -97,9 +100,13 @@ class LayerSelector:
         ni = np.zeros_like(dot)
         nj = np.zeros_like(dot)
         remaining = list(range(L))
+        pool = rank_pool()
         while remaining:
             rem = np.asarray(remaining)
-            d = cache.distances_adding(dot, ni, nj, rem)
+            # candidates' distances in two threads (numpy's ufuncs release the GIL); ranked together,
+            # as the 16-bit keys are scaled by the largest distance of all candidates
+            parts = [part for part in np.array_split(rem, 2) if len(part)]
+            d = np.concatenate(list(pool.map(partial(cache.distances_adding, dot, ni, nj), parts)))
             rhos = spearman_to_target(d, target, resolution="u16")
             b = int(np.argmax(rhos))
             best = int(rem[b])

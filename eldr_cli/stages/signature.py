@@ -137,21 +137,26 @@ def _spearman_rows(d: np.ndarray, target_rank_centered: np.ndarray, t_norm: floa
 _POOL = None
 
 
-def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray, resolution: str = "float32") -> np.ndarray:
-    """Spearman rho of each row of ``dist`` [C, P] against a target whose centered ranks are given
-    (ranking at float32 resolution; see :func:`_spearman_rows`). Rows are split over two threads
-    (numpy's sort releases the GIL)."""
+def rank_pool():
+    """Two threads for the fit's row-independent numpy work (sorts and ufuncs release the GIL)."""
     global _POOL
-    d = np.atleast_2d(np.asarray(dist, dtype=np.float64))
-    t_norm = float(np.sqrt(target_rank_centered @ target_rank_centered))
-    if d.shape[0] < 4:
-        return _spearman_rows(d, target_rank_centered, t_norm, resolution)
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(2, thread_name_prefix="eldr-rank")
+    return _POOL
+
+
+def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray, resolution: str = "float32") -> np.ndarray:
+    """Spearman rho of each row of ``dist`` [C, P] against a target whose centered ranks are given
+    (ranking at float32 resolution; see :func:`_spearman_rows`). Rows are split over two threads
+    (numpy's sort releases the GIL)."""
+    d = np.atleast_2d(np.asarray(dist, dtype=np.float64))
+    t_norm = float(np.sqrt(target_rank_centered @ target_rank_centered))
+    if d.shape[0] < 4:
+        return _spearman_rows(d, target_rank_centered, t_norm, resolution)
     half = d.shape[0] // 2
-    parts = list(_POOL.map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm, resolution),
+    parts = list(rank_pool().map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm, resolution),
                            (slice(0, half), slice(half, None))))
     return np.concatenate(parts)
 
