@@ -184,7 +184,8 @@ def stage_batch(job: _Job, staging: str, batch: tuple[int, list[tuple[str, bool]
     from eldr_cli.capture.staging import write_chunk_arrays
 
     chunk, tasks = batch
-    results, parsed = [], []
+    results: list[tuple] = []
+    parsed: list[tuple] = []
     for task in tasks:
         path, err, digest, p = _parse_for_import(job, task)
         if p is None:
