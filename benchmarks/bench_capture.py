@@ -21,10 +21,12 @@ All models are random-weight; all timings are CPU timings on this machine.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -357,6 +359,7 @@ def main() -> None:
     from rich.table import Table
 
     tmp = tempfile.mkdtemp(prefix="bench-capture-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # generated trees: ~2 GB for the import section
     res: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                              "loadavg_start": os.getloadavg()}}
     t_all = time.perf_counter()
