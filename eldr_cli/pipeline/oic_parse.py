@@ -23,6 +23,7 @@ from numba import njit
 
 _MAX_DIGITS = 4  # ids and layer keys below 10,000; longer numbers go to the JSON path
 _OK, _FAIL = 0, 1
+_NEXT, _CLOSE, _BAD = 0, 1, 2  # what follows an item (_separator)
 
 
 def _compiled(**options):
@@ -48,6 +49,19 @@ def _skip_ws(b, i):
     while i < b.size and (b[i] == 32 or b[i] == 10 or b[i] == 13 or b[i] == 9):
         i += 1
     return i
+
+
+@_compiled(inline="always")
+def _separator(b, i, close):
+    """After an item, from ``i``: skip whitespace; a comma -> (start of the next item, _NEXT), the
+    closing bracket ``close`` -> (its position, _CLOSE), anything else -> (i, _BAD)."""
+    i = _skip_ws(b, i)
+    c = _at(b, i)
+    if c == 44:  # ','
+        return _skip_ws(b, i + 1), _NEXT
+    if c == close:
+        return i, _CLOSE
+    return i, _BAD
 
 
 @_compiled(inline="always")
@@ -111,26 +125,20 @@ def _scan(b, vals, m_elem, m_key, m_start, m_nl):
                         vals[nv] = v
                         nv += 1
                         cnt += 1
-                        i = _skip_ws(b, i)
-                        c = _at(b, i)
-                        if c == 44:
-                            i = _skip_ws(b, i + 1)
-                        elif c == 93:
+                        i, sep = _separator(b, i, 93)
+                        if sep == _CLOSE:
                             break
-                        else:
+                        if sep == _BAD:
                             return _FAIL, 0, 0, 0, 0
                     if k < 0:
                         k = cnt
                     elif cnt != k:
                         return _FAIL, 0, 0, 0, 0
                     nl += 1
-                    i = _skip_ws(b, i + 1)
-                    c = _at(b, i)
-                    if c == 44:
-                        i = _skip_ws(b, i + 1)
-                    elif c == 93:
+                    i, sep = _separator(b, i + 1, 93)
+                    if sep == _CLOSE:
                         break
-                    else:
+                    if sep == _BAD:
                         return _FAIL, 0, 0, 0, 0
                 i += 1
             else:
@@ -140,22 +148,16 @@ def _scan(b, vals, m_elem, m_key, m_start, m_nl):
             m_start[nm] = start
             m_nl[nm] = nl
             nm += 1
-            i = _skip_ws(b, i)
-            c = _at(b, i)
-            if c == 44:
-                i = _skip_ws(b, i + 1)
-            elif c == 125:  # '}'
+            i, sep = _separator(b, i, 125)
+            if sep == _CLOSE:
                 break
-            else:
+            if sep == _BAD:
                 return _FAIL, 0, 0, 0, 0
         n_elem += 1
-        i = _skip_ws(b, i + 1)
-        c = _at(b, i)
-        if c == 44:
-            i = _skip_ws(b, i + 1)
-        elif c == 93:
+        i, sep = _separator(b, i + 1, 93)
+        if sep == _CLOSE:
             break
-        else:
+        if sep == _BAD:
             return _FAIL, 0, 0, 0, 0
     if _skip_ws(b, i + 1) != b.size or k < 0:
         return _FAIL, 0, 0, 0, 0
