@@ -16,24 +16,11 @@ from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline import checks
+from eldr_cli.stages.signature import blas_threads
 
 
 def _fit_rows(trace: Trace, split: str) -> np.ndarray:
     return np.flatnonzero(trace.split_mask(split))
-
-
-def _one_blas_thread():
-    """The fit's matrix products are small or medium (a 1,000 x 1,000 Gram at most); with OpenBLAS's
-    own threads on a machine whose cores are busy, its spinning threads cost 1.5-2x the CPU time and
-    wall time of the whole command (measured on 2 shared cores). The rank computations run on two
-    threads of their own (signature.spearman_to_target)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: without it BLAS keeps its default threads
-        import contextlib
-
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
 
 
 def _preload_plots():
@@ -80,7 +67,7 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
     gates = {"gate-prob": trace.prefill_gate_prob, "gate-logit": trace.prefill_gate_logit}
     gates = {k: v[rows] for k, v in gates.items() if v is not None}
     t0 = time.perf_counter()
-    with _one_blas_thread():
+    with blas_threads(1):
         sel = LayerSelector(transform=transform, n_pairs=pairs, seed=seed).fit(
             trace.prefill_counts[rows], trace.decode_counts[rows], trace.decode_steps[rows], idf, gates)
     fit_s = time.perf_counter() - t0
@@ -129,7 +116,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
     t0 = time.perf_counter()
-    with _one_blas_thread():
+    with blas_threads(1):
         km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
     labels = np.full(trace.n_requests, -1, dtype=np.int32)
@@ -157,7 +144,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
             t_fig = time.perf_counter()
             from eldr_cli import plots
 
-            with _one_blas_thread():
+            with blas_threads(1):
                 plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
             w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)

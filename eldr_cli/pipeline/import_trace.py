@@ -117,7 +117,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     preload = _preload()  # matplotlib and the artifact writers' imports, while the files are parsed
     try:
         results: Iterator[tuple] = pool.imap(stage, batches) if pool is not None else map(stage, batches)
-        acc = _Accumulator(root, top_k, log)
+        acc = _Accumulator(root, log)
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
             for chunk, files_done, rows in results:
@@ -204,8 +204,8 @@ class _Accumulator:
     """Checks each parsed file against the ones before it (one model, same MoE layers and k) and
     turns it into a staging row; counts and names the files that could not be parsed."""
 
-    def __init__(self, root: Path, top_k: int | None, log):
-        self.root, self.top_k, self.log = root, top_k, log
+    def __init__(self, root: Path, log):
+        self.root, self.log = root, log
         self.layer_ids: tuple | None = None
         self.model_key: str | None = None
         self.k_seen: int | None = None
