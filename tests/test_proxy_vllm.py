@@ -112,9 +112,13 @@ def proxy(vllm_pd):
         yield app, srv
 
 
+def _metric(url, name: str, label: str = "") -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name) and label in l)
+
+
 def _running(url) -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("vllm:num_requests_running"))
+    return _metric(url, "vllm:num_requests_running")
 
 
 def test_outputs_through_the_proxy_equal_a_direct_request(vllm_pd, proxy):
@@ -169,9 +173,14 @@ def test_outputs_through_the_proxy_equal_a_direct_request(vllm_pd, proxy):
 
 def test_client_disconnect_aborts_the_request_on_the_vllm_decoder(vllm_pd, proxy):
     app, srv = proxy
+    max_tokens = 1000  # ~5 s of decoding on this CPU; the prompt leaves room under --max-model-len 1024
+    before = {}
+    for url in vllm_pd["decode"]:  # the first /metrics of a server can take seconds: not while timing below
+        before[url] = (_metric(url, "vllm:generation_tokens_total"),
+                       _metric(url, "vllm:request_success_total", 'finished_reason="length"'))
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
                       json={"model": vllm_pd["model"], "prompt": "Tell me a very long story about a dragon.",
-                            "max_tokens": 600, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+                            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
         assert r.status_code == 200
         wid = r.headers["x-eldr-decode-worker"]
         it = r.iter_lines()
@@ -182,7 +191,12 @@ def test_client_disconnect_aborts_the_request_on_the_vllm_decoder(vllm_pd, proxy
     t0 = time.monotonic()
     while _running(dec_url) != 0 and time.monotonic() - t0 < 30:
         time.sleep(0.2)
-    assert _running(dec_url) == 0  # vLLM aborted the request: the proxy closed the upstream connection
+    assert _running(dec_url) == 0
+    # vLLM aborted the request (the proxy closed the upstream connection): it did not run to max_tokens
+    tokens, length = (_metric(dec_url, "vllm:generation_tokens_total"),
+                      _metric(dec_url, "vllm:request_success_total", 'finished_reason="length"'))
+    assert length == before[dec_url][1]
+    assert 2 <= tokens - before[dec_url][0] < max_tokens / 2
     t0 = time.monotonic()
     while app.state.in_progress and time.monotonic() - t0 < 10:
         time.sleep(0.05)
