@@ -32,6 +32,80 @@ def save(fig, path: Path) -> Path:
     return path
 
 
+class Drawing:
+    """Draws figures in forked processes while the caller goes on (``background=True``, on Linux), or
+    each at once when it is submitted. The figures come out the same bytes either way. Use it as a
+    context manager: leaving it waits for every figure and raises EldrError naming the first that
+    failed; leaving it on an error stops them. The caller makes sure no other thread is importing
+    at the time of a submit (a forked child would wait forever on that import's lock)."""
+
+    def __init__(self, background: bool = True):
+        import sys
+
+        self.background = background and sys.platform.startswith("linux")
+        self.jobs: list = []
+
+    def submit(self, draw, path: Path, *args) -> None:
+        """``draw(path, *args)``, the figure functions' signature."""
+        if not self.background:
+            draw(path, *args)
+            return
+        import multiprocessing as mp
+
+        plt()  # import matplotlib here once, not in every child
+        ctx = mp.get_context("fork")
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_draw_child, args=(send, draw, path, args), name=f"eldr-draw-{Path(path).name}",
+                           daemon=True)
+        proc.start()
+        send.close()
+        self.jobs.append((proc, recv, Path(path)))
+
+    def wait(self) -> None:
+        from eldr_cli.errors import EldrError
+
+        failed = []
+        for proc, recv, path in self.jobs:
+            proc.join()
+            if proc.exitcode != 0:
+                why = recv.recv() if recv.poll() else f"the drawing process ended with code {proc.exitcode}"
+                failed.append(f"{path.name}: {why}")
+            recv.close()
+        self.jobs = []
+        if failed:
+            raise EldrError(f"could not draw figure {failed[0]}")
+
+    def stop(self) -> None:
+        for proc, recv, _ in self.jobs:
+            proc.terminate()
+            proc.join()
+            recv.close()
+        self.jobs = []
+
+    def __enter__(self) -> "Drawing":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        else:
+            self.stop()
+
+
+def _draw_child(conn, draw, path, args) -> None:
+    import signal
+    import sys
+
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+    try:
+        draw(path, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(f"{type(e).__name__}: {e}")
+        sys.exit(1)
+
+
 def rho_per_transform(path: Path, rho: dict[str, float], chosen: str | None = None) -> Path:
     """Fig. 7: signature quality rho (Eq. 1) for each candidate transform, full layer mask."""
     pl = plt()

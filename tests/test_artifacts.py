@@ -126,3 +126,42 @@ def test_row_writer_fills_whole_chunks_in_order(tmp_path, monkeypatch):
             short.close()
     np.testing.assert_array_equal(Artifact(tmp_path / "a").array("idf"), data)
     assert writes == [(0, 4), (4, 12), (12, 20), (20, 23)]  # chunk-aligned; only the tail is partial
+
+
+def _draw_fails(path, why):
+    raise RuntimeError(why)
+
+
+def _draw_slowly(path, seconds):
+    import time
+
+    time.sleep(seconds)
+
+
+def test_figures_drawn_in_background_are_the_same_bytes_and_failures_are_named(tmp_path):
+    """plots.Drawing: a figure drawn in a forked process is byte-identical to one drawn in place; a
+    failed one is named in one EldrError when the block ends and its artifact is not written; an
+    error in the block stops the drawing processes."""
+    from eldr_cli import plots
+
+    rho = {"count-idf": 0.41, "gate-prob": 0.37}
+    with plots.Drawing(background=False) as d:
+        d.submit(plots.rho_per_transform, tmp_path / "inline.png", rho, "count-idf")
+    with plots.Drawing(background=True) as d:
+        d.submit(plots.rho_per_transform, tmp_path / "forked.png", rho, "count-idf")
+        assert len(d.jobs) == 1  # really in another process
+    assert (tmp_path / "forked.png").read_bytes() == (tmp_path / "inline.png").read_bytes()
+
+    out = tmp_path / "idf"
+    with pytest.raises(EldrError, match="fig7.png: RuntimeError: no ink"):
+        with ArtifactWriter(out, kind="idf") as w, plots.Drawing(background=True) as d:
+            w.write_array("idf", np.ones((2, 3)))
+            d.submit(_draw_fails, w.figure_path("fig7.png"), "no ink")
+    assert not out.exists() and not list(tmp_path.glob(".idf*"))
+
+    with pytest.raises(KeyboardInterrupt):
+        with plots.Drawing(background=True) as d:
+            d.submit(_draw_slowly, tmp_path / "never.png", 60)
+            procs = [p for p, _, _ in d.jobs]
+            raise KeyboardInterrupt
+    assert all(p.exitcode is not None for p in procs)

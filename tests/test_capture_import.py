@@ -226,3 +226,55 @@ def test_files_that_disagree_are_named_in_or_across_batches(tmp_path, capsys, wo
             importer.import_trace(root, out, workers=workers, chunk_files=chunk_files, progress=False)
         assert "3.json" in str(e.value)
         assert not out.exists() and not staging_dir(out).exists()
+
+
+def test_chunk_aggregates_merge_to_the_whole_trace_sums():
+    """The parser processes sum their own chunks (E' = the chunk's largest id + 1); merged, they equal
+    the sums over every row at the final E, bit for bit (what fig. 1 and fig. 3 are drawn from)."""
+    from eldr_cli.capture.figures import Aggregates
+
+    rng = np.random.default_rng(0)
+    L, k, E = 3, 2, 9
+    chunks = []
+    for Ec, n in ((5, 4), (9, 3), (7, 5)):
+        pre, dec = rng.integers(0, 50, (n, L, Ec)), rng.integers(0, 9, (n, L, Ec))
+        chunks.append((pre, dec, rng.integers(1, 90, n), rng.integers(0, 9, n), list(rng.choice(["a", "b", "c"], n))))
+    whole = Aggregates(L, E, k)
+    merged = None
+    for pre, dec, toks, steps, doms in chunks:
+        pad = ((0, 0), (0, 0), (0, E - pre.shape[2]))
+        whole.update(np.pad(pre, pad), np.pad(dec, pad), toks, steps, doms)
+        part = Aggregates(L, pre.shape[2], k)
+        part.update(pre, dec, toks, steps, doms)
+        merged = part if merged is None else merged.merge(part)
+    assert merged is not None and merged.E == E
+    np.testing.assert_array_equal(merged.prefill, whole.prefill)
+    np.testing.assert_array_equal(merged.decode, whole.decode)
+    assert (merged.prompt_tokens, merged.decode_steps) == (whole.prompt_tokens, whole.decode_steps)
+    assert merged.domain_tokens == whole.domain_tokens
+    for d in whole.domain_prefill:
+        np.testing.assert_array_equal(merged.domain_prefill[d], whole.domain_prefill[d])
+    np.testing.assert_array_equal(merged.prefill_decode_corr(), whole.prefill_decode_corr())
+    with pytest.raises(ValueError, match="L=4"):
+        merged.merge(Aggregates(4, E, k))
+
+
+def test_staged_chunks_of_an_older_eldr_still_assemble(tmp_path):
+    """A staging directory written before chunks were folders of .npy files (chunk-N.npz) is read the
+    same, so `capture --resume` after an upgrade does not lose the chunks already captured."""
+    from eldr_cli.capture.staging import Staging
+
+    arrays = {"prefill_counts": np.arange(24, dtype=np.int32).reshape(2, 3, 4),
+              "decode_steps": np.array([5, 6], np.int32)}
+    st = Staging(tmp_path / "out", {"x": 1})
+    st.start_fresh()
+    np.savez(st.dir / "chunk-000000.npz", **arrays)
+    from eldr_cli.capture.staging import write_chunk_arrays
+
+    write_chunk_arrays(st.dir, 1, arrays)
+    for c in (0, 1):
+        a = st.chunk_arrays(c)
+        assert sorted(a.files) == sorted(arrays)
+        for n, v in arrays.items():
+            np.testing.assert_array_equal(a[n], v)
+    assert sorted(p.name for p in st.dir.iterdir()) == ["chunk-000000.npz", "chunk-000001.arrays", "state.json"]

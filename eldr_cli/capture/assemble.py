@@ -25,10 +25,16 @@ def _pad_experts(a: np.ndarray, E: int) -> np.ndarray:
 
 def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, inputs: dict | None = None,
                    metrics: dict | None = None, figures: bool = True,
-                   input_digests: dict[str, dict[str, str]] | None = None) -> dict:
+                   input_digests: dict[str, dict[str, str]] | None = None,
+                   aggregates: Aggregates | None = None, draw_in_background: bool = False) -> dict:
     """Write the trace artifact from ``staging``; returns the metrics written to the manifest.
-    ``input_digests``: file digests of an input folder already computed (see ``ArtifactWriter``)."""
+    ``input_digests``: file digests of an input folder already computed (see ``ArtifactWriter``).
+    ``aggregates``: the figures' sums over every staged chunk, if the caller has them already (the
+    import's parser processes sum their own chunks); then the figures are drawn first, in forked
+    processes while the arrays are written if ``draw_in_background``."""
     import polars as pl
+
+    from eldr_cli import plots
 
     L, E, k = model["num_layers"], model["num_experts"], model["top_k"]
     chunks = staging.chunk_ids()
@@ -39,9 +45,13 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
     first = staging.chunk_arrays(chunks[0])
     has_gate = "prefill_gate_prob" in first.files
     has_picks = "decode_picks" in first.files
-    agg = Aggregates(L, E, k)
+    agg = Aggregates(L, E, k) if aggregates is None else aggregates.widen(E)
+    if agg.E != E:
+        raise EldrError(f"expert id {agg.E - 1} out of range for {E} experts")
     with ArtifactWriter(out, kind="trace", params={**model, **params}, inputs=inputs,
-                        input_digests=input_digests) as w:
+                        input_digests=input_digests) as w, plots.Drawing(draw_in_background) as drawing:
+        if figures and aggregates is not None:
+            _figures(w, drawing, agg, model)
         rows = 1024
         n_steps = sum(int(staging.chunk_arrays(c)["decode_steps"].sum()) for c in chunks) if has_picks else 0
         out_rows = {n: w.create_rows(n, n_total, (L, E), np.float32 if "gate" in n else np.int32, chunk_rows=rows)
@@ -53,7 +63,6 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
         steps_all = []
         for c in chunks:
             a = staging.chunk_arrays(c)
-            doms = pl.read_parquet(staging.chunk_table(c), columns=["domain"])["domain"].to_list()
             arrs = {n: _pad_experts(a[n], E) for n in COUNT_ARRAYS if n in a.files}
             if (arrs["decode_counts"].max(axis=2, initial=0) > a["decode_steps"][:, None]).any():
                 raise EldrError(f"chunk {c}: decode counts exceed decode steps (corrupt staging data)")
@@ -63,7 +72,10 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
                 if n in out_rows:
                     out_rows[n].add(a[n])
             steps_all.append(a["decode_steps"].astype(np.int64))
-            agg.update(arrs["prefill_counts"], arrs["decode_counts"], a["prompt_tokens"], a["decode_steps"], doms)
+            if aggregates is None:
+                doms = pl.read_parquet(staging.chunk_table(c), columns=["domain"])["domain"].to_list()
+                agg.update(arrs["prefill_counts"], arrs["decode_counts"], a["prompt_tokens"], a["decode_steps"],
+                           doms)
         for r in out_rows.values():
             r.close()
         steps = np.concatenate(steps_all)
@@ -85,12 +97,17 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
             "n_domains": len(agg.domain_tokens),
             **(metrics or {}),
         })
-        if figures:
-            ids_ = model.get("moe_layer_ids", list(range(L)))
-            if fig1_domain_heatmap(w.figure_path("fig1_domain_experts.png"), agg, ids_) is not None:
-                w.metrics["fig1_layer"] = int(ids_[agg.most_discriminative_layer()])
-            if agg.decode_steps:
-                fig3_prefill_decode(w.figure_path("fig3_prefill_vs_decode.png"), agg, ids_)
+        if figures and aggregates is None:
+            _figures(w, drawing, agg, model)
         result = dict(w.metrics)
     staging.remove()
     return result
+
+
+def _figures(w: ArtifactWriter, drawing, agg: Aggregates, model: dict) -> None:
+    ids = model.get("moe_layer_ids", list(range(agg.L)))
+    if len(agg.domain_tokens) >= 2:
+        drawing.submit(fig1_domain_heatmap, w.figure_path("fig1_domain_experts.png"), agg, ids)
+        w.metrics["fig1_layer"] = int(ids[agg.most_discriminative_layer()])
+    if agg.decode_steps:
+        drawing.submit(fig3_prefill_decode, w.figure_path("fig3_prefill_vs_decode.png"), agg, ids)

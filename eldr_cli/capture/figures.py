@@ -30,6 +30,32 @@ class Aggregates:
             self.domain_prefill[d] += prefill_counts[m].sum(0)
             self.domain_tokens[d] = self.domain_tokens.get(d, 0) + int(prompt_tokens[m].sum())
 
+    def merge(self, other: "Aggregates") -> "Aggregates":
+        """Add the sums of ``other`` (same layers and k; the narrower expert axis is padded with
+        zeros). Counts are whole numbers, so the order of merging does not change a bit. -> self."""
+        if (other.L, other.k) != (self.L, self.k):
+            raise ValueError(f"cannot merge aggregates of L={other.L}, k={other.k} into L={self.L}, k={self.k}")
+        self.widen(other.E)
+        pad = self.E - other.E
+        self.prefill += np.pad(other.prefill, ((0, 0), (0, pad)))
+        self.decode += np.pad(other.decode, ((0, 0), (0, pad)))
+        self.prompt_tokens += other.prompt_tokens
+        self.decode_steps += other.decode_steps
+        for d, v in other.domain_prefill.items():
+            self.domain_prefill.setdefault(d, np.zeros((self.L, self.E)))
+            self.domain_prefill[d] += np.pad(v, ((0, 0), (0, pad)))
+            self.domain_tokens[d] = self.domain_tokens.get(d, 0) + other.domain_tokens[d]
+        return self
+
+    def widen(self, E: int) -> "Aggregates":
+        """Pad the expert axis to ``E`` experts (the experts no request picked). -> self."""
+        if E > self.E:
+            pad = ((0, 0), (0, E - self.E))
+            self.prefill, self.decode = np.pad(self.prefill, pad), np.pad(self.decode, pad)
+            self.domain_prefill = {d: np.pad(v, pad) for d, v in self.domain_prefill.items()}
+            self.E = E
+        return self
+
     # -- Fig. 3 --------------------------------------------------------------------------------
     def prefill_share(self) -> np.ndarray:
         """[L, E] fraction of prompt tokens routed to e at l."""

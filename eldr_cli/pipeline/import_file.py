@@ -177,10 +177,12 @@ def warm_up() -> None:
 def stage_batch(job: _Job, staging: str, batch: tuple[int, list[tuple[str, bool]]]):
     """A batch of files -> the arrays of staging chunk ``chunk``, written by the process that parsed
     them (so the main process handles no arrays: with ``--workers 2`` it was the limit). -> (chunk,
-    results, rows): chunk is None if no arrays were written (no file parsed, or files that disagree,
-    which the main process then names); results one (path, error or None, digest or None, facts or
-    None) per file in order, facts = (layer ids, k, E', model key); rows the request rows of the
-    parsed files (the main process writes them: polars does not survive a fork)."""
+    results, rows, aggregates): chunk is None if no arrays were written (no file parsed, or files that
+    disagree, which the main process then names); results one (path, error or None, digest or None,
+    facts or None) per file in order, facts = (layer ids, k, E', model key); rows the request rows of
+    the parsed files (the main process writes them: polars does not survive a fork); aggregates the
+    chunk's sums for the figures (:class:`Aggregates`, merged by the main process), or None."""
+    from eldr_cli.capture.figures import Aggregates
     from eldr_cli.capture.staging import write_chunk_arrays
 
     chunk, tasks = batch
@@ -195,9 +197,15 @@ def stage_batch(job: _Job, staging: str, batch: tuple[int, list[tuple[str, bool]
         results.append((path, None, digest, (layers, picks.shape[2], E, mk)))
         parsed.append(p)
     if not parsed or len({(p[0], p[3].shape[2]) for p in parsed}) > 1:
-        return None, results, []
-    write_chunk_arrays(Path(staging), chunk, chunk_arrays(parsed))
-    return chunk, results, [p[7] for p in parsed]
+        return None, results, [], None
+    arrays = chunk_arrays(parsed)
+    write_chunk_arrays(Path(staging), chunk, arrays)
+    rows = [p[7] for p in parsed]
+    pre = arrays["prefill_counts"]
+    agg = Aggregates(pre.shape[1], pre.shape[2], parsed[0][3].shape[2])
+    agg.update(pre, arrays["decode_counts"], arrays["prompt_tokens"], arrays["decode_steps"],
+               [r["domain"] for r in rows])
+    return chunk, results, rows, agg
 
 
 def chunk_arrays(parsed: list) -> dict[str, np.ndarray]:

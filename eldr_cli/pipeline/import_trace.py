@@ -21,8 +21,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eldr_cli.errors import EldrError
+
+if TYPE_CHECKING:
+    from eldr_cli.capture.figures import Aggregates
 from eldr_cli.pipeline.import_file import (  # noqa: F401  (parse_trace_file: the public per-file parser)
     BadTraceFile,
     _Job,
@@ -120,7 +124,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
         acc = _Accumulator(root, log)
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
-            for chunk, files_done, rows in results:
+            for chunk, files_done, rows, chunk_agg in results:
                 n_rows = 0
                 for path, err, digest, facts in files_done:
                     if digest is not None:
@@ -129,6 +133,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
                 if chunk is not None:
                     write_chunk_table(staging.dir, chunk, rows)
                     staging.chunk_done(chunk, n_rows, [], {})
+                    acc.aggregates = chunk_agg if acc.aggregates is None else acc.aggregates.merge(chunk_agg)
                 if progress:
                     bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0,
                                busy_s=time.perf_counter() - t0)
@@ -136,7 +141,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
             pool.close()
         preload.join()
         return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
-                         wall=time.perf_counter() - t0)
+                         wall=time.perf_counter() - t0, draw_in_background=workers > 1)
     except BaseException:
         staging.remove()
         raise
@@ -166,14 +171,17 @@ def _start_pool(workers: int):
 
 
 def _preload():
-    """Import what assembling the artifact needs (matplotlib above all, ~0.5 s) in a thread while the
+    """Import what assembling the artifact needs (matplotlib ~0.5 s, zarr ~0.25 s) in a thread while the
     files are parsed: the parser processes, or the compiled scan (it releases the GIL), leave the main
     interpreter idle most of the time. -> the started thread (join it before leaving)."""
     import threading
 
     def work():
+        import jsonschema  # noqa: F401  (the manifest's validation)
+        import zarr  # noqa: F401
+
         from eldr_cli import plots
-        from eldr_cli.capture import assemble  # noqa: F401  (zarr, polars, the figures module)
+        from eldr_cli.capture import assemble  # noqa: F401  (polars, the figures module)
 
         plots.plt()
 
@@ -213,6 +221,7 @@ class _Accumulator:
         self.n_files = self.n_bad = 0
         self.bad_examples: list[str] = []
         self.digests: dict[str, str] = {}  # path -> sha256 of the bytes parsed (first HASH_FILES_MAX files)
+        self.aggregates: Aggregates | None = None  # the figures' sums over the staged chunks
 
     def add(self, p: str, facts, err: str | None) -> int:
         """One file in order: facts = (layer ids, k, E', model key), or None with ``err``. -> 1 if it
@@ -249,7 +258,7 @@ class _Accumulator:
 
 
 def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: int | None, top_k: int | None,
-              seed: int, eval_fraction: float, wall: float) -> ImportResult:
+              seed: int, eval_fraction: float, wall: float, draw_in_background: bool) -> ImportResult:
     """The staged chunks -> the trace artifact, with the model facts the files agreed on."""
     from eldr_cli.capture.assemble import assemble_trace
 
@@ -274,5 +283,6 @@ def _assemble(staging, root: Path, out: Path, acc: _Accumulator, num_experts: in
     small = acc.n_files <= HASH_FILES_MAX  # larger trees are not hashed (minutes of reading for a record)
     written = assemble_trace(staging, out, model=model, params=params,
                              inputs={"source_tree": root} if small else None, metrics=metrics,
-                             input_digests={"source_tree": acc.source_digests() or {}} if small else None)
+                             input_digests={"source_tree": acc.source_digests() or {}} if small else None,
+                             aggregates=acc.aggregates, draw_in_background=draw_in_background)
     return ImportResult(out, written)
