@@ -387,6 +387,15 @@ class Artifact:
             raise EldrError(f"cannot read array {name!r} of {self.path / ARRAYS / name}: {type(e).__name__}: {e}",
                             hint=f"the artifact is damaged; check it with `eldr inspect {self.path}`") from None
 
+    def arrays(self, names: list[str]) -> dict[str, np.ndarray]:
+        """Several arrays, read at the same time in threads (Zstd decompression releases the GIL:
+        the four [1,250, 48, 128] arrays of a trace take ~0.12 s instead of ~0.2 s one after another)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._zgroup()  # opened once, before the threads
+        with ThreadPoolExecutor(min(4, max(1, len(names))), thread_name_prefix="eldr-read") as ex:
+            return dict(zip(names, ex.map(self.array, names), strict=True))
+
     def table(self, name: str):
         import polars as pl
 

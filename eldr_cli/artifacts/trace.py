@@ -165,23 +165,27 @@ def read_trace(path: str | os.PathLike[str], *, with_picks: bool = True) -> Trac
     """Load a trace artifact fully into memory (validated)."""
     art = Artifact(path, kind="trace")
     p = art.params
-    pc = art.array("prefill_counts")
+    names = ["prefill_counts", "decode_counts", "decode_steps",
+             *(n for n in ("prefill_gate_prob", "prefill_gate_logit") if art.has_array(n))]
+    if with_picks and art.has_array("decode_picks"):
+        names += ["decode_picks", "decode_offsets"]
+    a = art.arrays(names)
+    pc = a["prefill_counts"]
     t = Trace(
         prefill_counts=pc,
-        decode_counts=art.array("decode_counts"),
-        decode_steps=art.array("decode_steps"),
+        decode_counts=a["decode_counts"],
+        decode_steps=a["decode_steps"],
         requests=art.table("requests"),
         model={k: p[k] for k in ("model", "num_layers", "num_experts", "top_k", "moe_layer_ids") if k in p}
         | {k: p[k] for k in ("family",) if k in p},
-        prefill_gate_prob=art.array("prefill_gate_prob") if art.has_array("prefill_gate_prob") else None,
-        prefill_gate_logit=art.array("prefill_gate_logit") if art.has_array("prefill_gate_logit") else None,
+        prefill_gate_prob=a.get("prefill_gate_prob"),
+        prefill_gate_logit=a.get("prefill_gate_logit"),
         path=Path(path),
         content_hash=art.content_hash,
         manifest=art.manifest,
+        decode_picks=a.get("decode_picks"),
+        decode_offsets=a.get("decode_offsets"),
     )
-    if with_picks and art.has_array("decode_picks"):
-        t.decode_picks = art.array("decode_picks")
-        t.decode_offsets = art.array("decode_offsets")
     validate_trace_arrays(t.prefill_counts, t.decode_counts, t.decode_steps, where=str(path))
     if (t.model.get("num_layers"), t.model.get("num_experts")) != pc.shape[1:]:
         raise EldrError(f"{path}: manifest says L={t.model.get('num_layers')}, E={t.model.get('num_experts')} "
