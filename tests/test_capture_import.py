@@ -278,3 +278,18 @@ def test_staged_chunks_of_an_older_eldr_still_assemble(tmp_path):
         for n, v in arrays.items():
             np.testing.assert_array_equal(a[n], v)
     assert sorted(p.name for p in st.dir.iterdir()) == ["chunk-000000.npz", "chunk-000001.arrays", "state.json"]
+
+
+def test_an_interrupt_while_the_parsers_start_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C while the parser processes start (loading the parser takes a moment) used to leave the
+    staging directory behind: it is removed like at any later point."""
+    write_oic_tree(tmp_path / "src", n_per_subject=2, num_layers=3, num_experts=8, top_k=2, seed=0)
+
+    def interrupted(workers):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importer, "_start_pool", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        importer.import_trace(tmp_path / "src" / "acme" / "Tiny-MoE", out, workers=2, progress=False)
+    assert not out.exists() and not staging_dir(out).exists()

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eldr_cli.errors import EldrError
 
@@ -111,15 +112,16 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     staging = Staging(out, {"import": str(root.resolve())})
     staging.start_fresh()
     t0 = time.perf_counter()
-    pool = None
+    pool: Any = None
+    preload: threading.Thread | None = None
     job = _Job(root, seed, eval_fraction)
     tasks = ((str(p), i < HASH_FILES_MAX) for i, p in enumerate(files))
     batches = enumerate(_batched(tasks, chunk_files))  # one staging chunk per batch
     stage = partial(stage_batch, job, str(staging.dir))
-    if workers > 1:
-        pool = _start_pool(workers)
-    preload = _preload()  # matplotlib and the artifact writers' imports, while the files are parsed
     try:
+        if workers > 1:
+            pool = _start_pool(workers)
+        preload = _preload()  # matplotlib and the artifact writers' imports, while the files are parsed
         results: Iterator[tuple] = pool.imap(stage, batches) if pool is not None else map(stage, batches)
         acc = _Accumulator(root, log)
         with _progress(progress) as bar:
@@ -139,7 +141,7 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
                                busy_s=time.perf_counter() - t0)
         if pool is not None:
             pool.close()
-        preload.join()
+        preload.join()  # before the figures' processes are forked
         return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
                          wall=time.perf_counter() - t0, draw_in_background=workers > 1)
     except BaseException:
@@ -148,7 +150,8 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
     finally:
         if pool is not None:
             pool.terminate()
-        preload.join()  # never leave an import running in a daemon thread at exit
+        if preload is not None:
+            preload.join()  # never leave an import running in a daemon thread at exit
 
 
 def _batched(items, n: int):
@@ -174,7 +177,6 @@ def _preload():
     """Import what assembling the artifact needs (matplotlib ~0.5 s, zarr ~0.25 s) in a thread while the
     files are parsed: the parser processes, or the compiled scan (it releases the GIL), leave the main
     interpreter idle most of the time. -> the started thread (join it before leaving)."""
-    import threading
 
     def work():
         import jsonschema  # noqa: F401  (the manifest's validation)
