@@ -8,8 +8,9 @@ Exit codes: 0 success, 2 anything the user can fix (usage errors, bad files, ref
 
 from __future__ import annotations
 
+import re
 import sys
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
 import typer
 
@@ -51,13 +52,40 @@ def _no_type_for_flags() -> None:
     TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
+_PLAIN_NUMBER = {int: re.compile(r"-?(0|[1-9][0-9]*)"), float: re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?")}
+
+
+def _plain_value(param, ctx, value):
+    """A given option value converted the way typer's pydantic adapter would, for the plain cases
+    (a str; an int or float written as plain digits, within its bounds; a Path with no path_type),
+    or None: then typer converts it (and words any error) itself."""
+    from typer._param_types import coerce_cli_path
+
+    info, kind = param.type_descriptor.parameter_info, param.type_descriptor.annotation
+    if not isinstance(value, str) or param.nargs != 1 or param.multiple or info.parser is not None:
+        return None
+    if kind is str:
+        return value
+    if kind in _PLAIN_NUMBER:
+        if info.clamp or not _PLAIN_NUMBER[kind].fullmatch(value):
+            return None
+        v = kind(value)
+        inside = (info.min is None or v >= info.min) and (info.max is None or v <= info.max)
+        return v if inside else None
+    if isinstance(kind, type) and issubclass(kind, Path) and info.path_type is None and value:
+        return coerce_cli_path(kind(value), info, path_type=kind, param=param, ctx=ctx)  # typer's own checks
+    return None
+
+
 def _no_adapter_for_missing_values() -> None:
     """typer 0.29 builds a pydantic TypeAdapter for each option it processes, also for options that
     were not given: value None, which its coercion passes through unchanged without the adapter, or
     the option's own default (a group's options are processed before ``group sub --help``).
-    Importing pydantic for that was ~0.15 s of every ``eldr ... --help``. Those values go through
-    typer's pass-through coercion instead (eldr's defaults are plain values of the declared type);
-    given values are coerced as before."""
+    Importing pydantic for that was ~0.15 s of every ``eldr ... --help``; building the adapters
+    of the options given, another ~0.1 s of every command. Those values go through typer's
+    pass-through coercion instead: eldr's defaults are plain values of the declared type, and a
+    given value is converted first when it is plain (:func:`_plain_value`); any other value is
+    coerced, or refused, by typer as before."""
     try:
         from typer._coercion import PassThroughRuntimeParam
         from typer.core import _TyperParameter
@@ -72,8 +100,13 @@ def _no_adapter_for_missing_values() -> None:
         kind = self.type_descriptor.annotation
         plain_default = (value is self.default and isinstance(value, (bool, int, float, str, PurePath))
                          and isinstance(kind, type) and isinstance(value, kind))
-        if not (value is None or plain_default) or self._runtime_param is not None:
+        if self._runtime_param is not None:
             return process(self, ctx, value)
+        if not (value is None or plain_default):
+            converted = _plain_value(self, ctx, value)
+            if converted is None:
+                return process(self, ctx, value)
+            value, plain_default = converted, True
         # typer's pass-through: returns a value of the declared type (or None) unchanged
         self._runtime_param = PassThroughRuntimeParam(parameter_info=OptionInfo(),
                                                       annotation=kind if plain_default else object)
