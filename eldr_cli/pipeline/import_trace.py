@@ -25,9 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eldr_cli.errors import EldrError
-
-if TYPE_CHECKING:
-    from eldr_cli.capture.figures import Aggregates
 from eldr_cli.pipeline.import_file import (  # noqa: F401  (parse_trace_file: the public per-file parser)
     BadTraceFile,
     _Job,
@@ -36,6 +33,9 @@ from eldr_cli.pipeline.import_file import (  # noqa: F401  (parse_trace_file: th
     stage_batch,
     warm_up,
 )
+
+if TYPE_CHECKING:
+    from eldr_cli.capture.figures import Aggregates
 
 CHUNK_FILES = 256
 HASH_FILES_MAX = 2000  # source trees up to this many files get an input hash in the manifest
