@@ -139,9 +139,10 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
                 if progress:
                     bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0,
                                busy_s=time.perf_counter() - t0)
-        if pool is not None:
+        if pool is not None:  # its workers and threads are gone before the figures' processes fork (~5 ms)
             pool.close()
-        preload.join()  # before the figures' processes are forked
+            pool.join()
+        preload.join()  # idem
         return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
                          wall=time.perf_counter() - t0, draw_in_background=workers > 1)
     except BaseException:
