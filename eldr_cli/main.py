@@ -77,7 +77,7 @@ def _plain_value(param, ctx, value):
     return None
 
 
-def _no_adapter_for_missing_values() -> None:
+def _no_adapter_for_plain_values() -> None:
     """typer 0.29 builds a pydantic TypeAdapter for each option it processes, also for options that
     were not given: value None, which its coercion passes through unchanged without the adapter, or
     the option's own default (a group's options are processed before ``group sub --help``).
@@ -204,7 +204,7 @@ def run(argv: list[str] | None = None) -> int:
     """
     _register()
     _no_type_for_flags()
-    _no_adapter_for_missing_values()
+    _no_adapter_for_plain_values()
     args = sys.argv[1:] if argv is None else argv
     if not args or "--help" in args:
         _help_without_markdown()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_cli import plots
 from eldr_cli.artifacts.store import ArtifactWriter
 from eldr_cli.artifacts.trace import REQUEST_COLUMNS
 from eldr_cli.capture.figures import Aggregates, fig1_domain_heatmap, fig3_prefill_decode
@@ -33,8 +34,6 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
     import's parser processes sum their own chunks); then the figures are drawn first, in forked
     processes while the arrays are written if ``draw_in_background``."""
     import polars as pl
-
-    from eldr_cli import plots
 
     L, E, k = model["num_layers"], model["num_experts"], model["top_k"]
     chunks = staging.chunk_ids()
@@ -104,7 +103,7 @@ def assemble_trace(staging: Staging, out: Path, *, model: dict, params: dict, in
     return result
 
 
-def _figures(w: ArtifactWriter, drawing, agg: Aggregates, model: dict) -> None:
+def _figures(w: ArtifactWriter, drawing: plots.Drawing, agg: Aggregates, model: dict) -> None:
     ids = model.get("moe_layer_ids", list(range(agg.L)))
     if len(agg.domain_tokens) >= 2:
         drawing.submit(fig1_domain_heatmap, w.figure_path("fig1_domain_experts.png"), agg, ids)

@@ -127,14 +127,13 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
         with _progress(progress) as bar:
             task = bar.add_task("import", total=None, reqs=0, toks=0, busy_s=0.0)
             for chunk, files_done, rows, chunk_agg in results:
-                n_rows = 0
                 for path, err, digest, facts in files_done:
                     if digest is not None:
                         acc.digests[path] = digest
-                    n_rows += acc.add(path, facts, err)
-                if chunk is not None:
+                    acc.add(path, facts, err)
+                if chunk is not None:  # every file of it parsed and agreed: one row each
                     write_chunk_table(staging.dir, chunk, rows)
-                    staging.chunk_done(chunk, n_rows, [], {})
+                    staging.chunk_done(chunk, len(rows), [], {})
                     acc.aggregates = chunk_agg if acc.aggregates is None else acc.aggregates.merge(chunk_agg)
                 if progress:
                     bar.update(task, completed=acc.n_files, reqs=acc.n_files, toks=0,
@@ -212,8 +211,8 @@ def _check_inputs(root: Path, out: Path, eval_fraction: float) -> Iterator[Path]
 
 
 class _Accumulator:
-    """Checks each parsed file against the ones before it (one model, same MoE layers and k) and
-    turns it into a staging row; counts and names the files that could not be parsed."""
+    """Checks each parsed file against the ones before it (one model, same MoE layers and k); counts
+    and names the files that could not be parsed; holds what the manifest needs of all of them."""
 
     def __init__(self, root: Path, log):
         self.root, self.log = root, log
@@ -226,16 +225,16 @@ class _Accumulator:
         self.digests: dict[str, str] = {}  # path -> sha256 of the bytes parsed (first HASH_FILES_MAX files)
         self.aggregates: Aggregates | None = None  # the figures' sums over the staged chunks
 
-    def add(self, p: str, facts, err: str | None) -> int:
-        """One file in order: facts = (layer ids, k, E', model key), or None with ``err``. -> 1 if it
-        makes a row of the trace, 0 if it was skipped; raises if it disagrees with the files before."""
+    def add(self, p: str, facts, err: str | None) -> None:
+        """One file in order: facts = (layer ids, k, E', model key), or None with ``err`` (the file is
+        skipped); raises if it disagrees with the files before."""
         self.n_files += 1
         if err is not None:
             self.n_bad += 1
             if len(self.bad_examples) < 5:
                 self.bad_examples.append(f"{p}: {err}")
             self.log(f"[yellow]warning:[/] skipping {p}: {err}")
-            return 0
+            return
         layers, k_file, E, mk = facts
         if self.model_key is None:
             self.model_key = mk
@@ -251,7 +250,6 @@ class _Accumulator:
         if k_file != self.k_seen:
             raise EldrError(f"{p}: {k_file} experts per token, other files have {self.k_seen}")
         self.E_max = max(self.E_max, E)
-        return 1
 
     def source_digests(self) -> dict[str, str] | None:
         """The digests keyed by path relative to the root (as the input hash names them)."""

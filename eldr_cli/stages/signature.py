@@ -157,7 +157,7 @@ def spearman_to_target(dist: np.ndarray, target_rank_centered: np.ndarray, resol
         return _spearman_rows(d, target_rank_centered, t_norm, resolution)
     half = d.shape[0] // 2
     parts = list(rank_pool().map(lambda s: _spearman_rows(d[s], target_rank_centered, t_norm, resolution),
-                           (slice(0, half), slice(half, None))))
+                                 (slice(0, half), slice(half, None))))
     return np.concatenate(parts)
 
 
