@@ -187,6 +187,11 @@ def test_client_disconnect_aborts_the_request_on_the_vllm_decoder(vllm_pd, proxy
         for _ in range(4):
             next(it)
         dec_url = next(w.url for w in app.state.decode if w.id == wid)
+        # the gauge is refreshed from the engine's step stats, which can trail the stream (it read 0
+        # here once in CI while tokens flowed): the stream stays open, unread, while we wait for it
+        t0 = time.monotonic()
+        while _running(dec_url) != 1 and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
         assert _running(dec_url) == 1
     t0 = time.monotonic()
     while _running(dec_url) != 0 and time.monotonic() - t0 < 30:
