@@ -3,9 +3,9 @@ arrival schedules and routing objects as the emulated cluster, in virtual time, 
 
 - prefill: PrefixHash with least-loaded fallback (the proxy's own ``PrefixHashPrefill``), FIFO
   batches up to a token budget, step time from the cost model over the batch's prompt experts;
-- handoff: the proxy's in-flight decode counts are the loads; the policy from
-  ``eldr_cli.stages.routing.make_policy`` chooses the decode worker (eldr gets the request's
-  signature from ``RoutingModel.signature(prefill counts)``, domain gets the prompt's domain);
+- handoff: the proxy's in-flight decode counts are the loads; the decode router of
+  ``eldr_cli.routing.make_router`` (the proxy's own object) chooses the decode worker from the
+  request's prefill counts, its domain and the loads;
 - decode: continuous batching with replayed per-step expert picks (eldr_cli/simulator/core.py).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule, row_ref
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing import LOAD_BALANCERS, ROUTERS, DecodeRouter, make_router
 
 
 def _prefill_chooser(n_prefill: int):
@@ -93,20 +93,10 @@ class _PrefillCost:
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
-                 signatures: dict | None = None, item_rows: np.ndarray | None = None,
-                 oracle=None) -> tuple[dict, dict, dict]:
+                 item_rows: np.ndarray | None = None, oracle=None) -> tuple[dict, dict, dict]:
     """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
     each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
-    from eldr_cli.stages.routing import Policy, make_policy
-
-    if router == "oracle":
-        from eldr_cli.stages.oracle import OraclePolicy
-
-        if oracle is None:
-            raise EldrError("the oracle router needs the served rows' decode patterns (run_simulate builds them)")
-        policy: Policy = OraclePolicy(n_decode, oracle, tau=tau)
-    else:
-        policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
+    policy: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle)
     n = len(schedule)
     if item_rows is not None:
         req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
@@ -125,7 +115,6 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     busy = [False] * n_prefill
     events: list = []
     seq = 0
-    sigs = signatures if signatures is not None else {}
     prefill_done_t = np.full(n, np.nan)
     ptoks = replay.prompt_tokens
     req_tok = ptoks[req_row].tolist()
@@ -161,15 +150,9 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
         for rid in batch:
             prefill_done_t[rid] = t
             row = int(req_row[rid])
-            sig = None
-            if router == "oracle":
-                sig = oracle.signature(row)
-            elif policy.needs_signature:
-                sig = sigs.get(row)
-                if sig is None:
-                    sig = sigs[row] = model.signature(replay.prefill_counts(row))
-            d = policy.choose(dec.inflight, signature=sig, domain=prompts[schedule.prompt_index[rid]].domain)
-            dec.admit(int(d), rid, t)
+            counts = replay.prefill_counts(row) if policy.needs_signature else None
+            d = policy.decide(counts, dec.inflight, domain=prompts[schedule.prompt_index[rid]].domain, key=row)
+            dec.admit(d.worker, rid, t)
         if pq[p]:
             start_prefill(p, t)
     dec.advance(np.inf)
@@ -194,8 +177,7 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     # decode steps past a row's captured ones replay its steps again from the first (wrap)
     wrapped = int((replay.steps[req_row] < max_tokens).sum())
     facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped}
-    if hasattr(policy, "unlabelled"):
-        facts["unlabelled_domain"] = int(policy.unlabelled)
+    facts.update(policy.facts())
     return cols, dec.step_log(), facts
 
 
@@ -215,7 +197,7 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     from eldr_cli.bench.results import write_bench
     from eldr_cli.bench.workload import load_prompts
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.stages.routing import RoutingModel
+    from eldr_cli.routing import RoutingModel
 
     for r in routers:
         if r not in SIM_POLICIES:
@@ -236,19 +218,17 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
         items, item_rows = trace_items(replay, split)
     oracle = None
     if "oracle" in routers:
-        from eldr_cli.stages.oracle import OracleModel
+        from eldr_cli.routing.oracle import fit_oracle
 
         served = item_rows if item_rows is not None else np.array([replay.match(it.prompt)[0] for it in items])
-        oracle = OracleModel(np.asarray(tr.decode_counts), served, n_decode, seed=seed,
-                             tau=tau if tau is not None else (model.tau if model is not None else 0.1),
-                             signature=model.signature if model is not None else None)
+        oracle = fit_oracle(tr.decode_counts, served, n_decode, model=model, tau=tau, seed=seed)
     t0 = time.perf_counter()
     runs, req_rows, step_frames = [], [], []
     scheds = {rate: build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s,
                                    burstiness=burstiness, seed=seed) for rate in rates}
     tasks = [(rate, router) for rate in rates for router in routers]
     kw: dict = dict(n_prefill=n_prefill, n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau, seed=seed,
-                    max_seqs=max_seqs, signatures={}, item_rows=item_rows, oracle=oracle)
+                    max_seqs=max_seqs, item_rows=item_rows, oracle=oracle)
     n_req = sum(len(scheds[r]) for r, _ in tasks)
     for (rate, router), (rows, steps, facts) in zip(tasks, _run_tasks(replay, items, scheds, tasks, kw, workers,
                                                                        n_req), strict=True):
@@ -314,14 +294,13 @@ def _run_tasks(replay, items, scheds, tasks, kw, workers, n_req):
         _JOB.clear()
 
 
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
-SIM_POLICIES = (*POLICIES, "oracle")
+SIM_POLICIES = ROUTERS
 
 
 def oracle_shares(runs: list[dict]) -> list[dict]:
     """Per rate and metric: the best load balancer, ELDR, the oracle, and the share (%) of the
     balancer-to-oracle distance ELDR covers (None when a run or the gap is missing)."""
-    from eldr_cli.stages.oracle import oracle_share
+    from eldr_cli.routing.oracle import oracle_share
 
     out = []
     for rate in sorted({r["request_rate"] for r in runs}):

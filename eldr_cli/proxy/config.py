@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing.policies import POLICIES
 
 
 @dataclass
