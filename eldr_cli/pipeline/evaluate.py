@@ -49,10 +49,11 @@ def replay_batches(trace: Trace, rows: np.ndarray, router: DecodeRouter, n_decod
             qi += 1
             loads = [len(x) for x in inflight]
             counts = trace.prefill_counts[r] if router.needs_signature else None
-            d = router.decide(counts, loads, domain=None if domains is None else domains[r], key=r).worker
+            dec = router.decide(counts, loads, domain=None if domains is None else domains[r], key=r)
+            d = dec.worker
             if not 0 <= d < n_decoders:
                 raise EldrError(f"routing policy chose decoder {d} of {n_decoders}")
-            router.on_dispatch(d, r)
+            router.on_dispatch(dec, r)
             inflight[d].append([r, 0])
             assigned[r] = d
             total += 1

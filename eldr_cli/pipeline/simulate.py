@@ -90,13 +90,38 @@ class _PrefillCost:
         return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
 
 
+class _LiveSet:
+    """The simulator's side of a stateful router's lifecycle: on_dispatch at admission, on_finish once the
+    decode engine has finished the request (checked before every handoff, which is when it matters)."""
+
+    def __init__(self, dec):
+        self.dec = dec
+        self.rids = np.zeros(0, dtype=np.int64)
+        self.new: list[int] = []
+
+    def dispatch(self, router: DecodeRouter, decision, rid: int) -> None:
+        router.on_dispatch(decision, rid)
+        self.new.append(rid)
+
+    def finish(self, router: DecodeRouter) -> None:
+        if self.new:
+            self.rids = np.concatenate([self.rids, np.asarray(self.new, dtype=np.int64)])
+            self.new = []
+        done = np.isfinite(self.dec.req_finish[self.rids])
+        if done.any():
+            for rid in self.rids[done].tolist():
+                router.on_finish(int(self.dec.req_worker[rid]), rid)
+            self.rids = self.rids[~done]
+
+
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
                  item_rows: np.ndarray | None = None, oracle=None) -> tuple[dict, dict, dict]:
     """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
     each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
-    policy: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle)
+    policy: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle,
+                                       cost=replay.cost)
     n = len(schedule)
     if item_rows is not None:
         req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
@@ -119,6 +144,7 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     ptoks = replay.prompt_tokens
     req_tok = ptoks[req_row].tolist()
     prefill_ms = _PrefillCost(replay)
+    live = _LiveSet(dec) if policy.stateful else None
 
     def start_prefill(p: int, t: float):
         nonlocal seq
@@ -147,15 +173,22 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
         busy[p] = False
         ppool.workers[p].inflight -= len(batch)
         dec.advance(t)
+        if live is not None:
+            live.finish(policy)
         for rid in batch:
             prefill_done_t[rid] = t
             row = int(req_row[rid])
             counts = replay.prefill_counts(row) if policy.needs_signature else None
-            d = policy.decide(counts, dec.inflight, domain=prompts[schedule.prompt_index[rid]].domain, key=row)
+            d = policy.decide(counts, dec.inflight, domain=prompts[schedule.prompt_index[rid]].domain, key=row,
+                              tokens=req_tok[rid] + max_tokens // 2)
             dec.admit(d.worker, rid, t)
+            if live is not None:
+                live.dispatch(policy, d, rid)
         if pq[p]:
             start_prefill(p, t)
     dec.advance(np.inf)
+    if live is not None:
+        live.finish(policy)
     # per-request columns, vectorized (a heavy run has ~15k requests)
     sent = np.asarray(offsets, dtype=np.float64)
     first, fin, ntok = dec.req_first, dec.req_finish, dec.req_ntok
@@ -210,8 +243,8 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     model = RoutingModel.load(routing) if routing is not None else None
     check_compatible(replay, model)
     check_cost_model(replay, cost_model)
-    if model is None and any(r in ("eldr", "domain") for r in routers):
-        raise EldrError("the eldr and domain routers need --routing (a routing or fit artifact)")
+    if model is None and any(r in ("eldr", "eldr-live", "domain") for r in routers):
+        raise EldrError("the eldr, eldr-live and domain routers need --routing (a routing or fit artifact)")
     if prompts is not None:
         items, item_rows = load_prompts(prompts), None
     else:  # serve the trace's own rows; prompt text is optional

@@ -70,7 +70,7 @@ class ProxyConfig:
         from eldr_cli.proxy.sharedstate import parse_state_url
 
         self.state = parse_state_url(self.state)
-        if self.policy in ("eldr", "domain") and not self.routing:
+        if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None and not (0.0 <= self.tau <= 2.0):
             raise EldrError(f"tau must be in [0, 2], got {self.tau}")

@@ -31,7 +31,7 @@ from eldr_cli.proxy.http import (
 )
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker, prompt_key
-from eldr_cli.routing import DecodeRouter
+from eldr_cli.routing import Decision, DecodeRouter
 
 log = logging.getLogger("eldr.proxy")
 
@@ -53,6 +53,17 @@ class RequestContext:
     policy: str | None = None
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
+
+
+def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
+    """The KV tokens the request will hold on its decoder, on average over its decode: the prompt (from the
+    prefill answer's usage) plus half its output budget. None when the prefill worker did not say."""
+    usage = answer.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+        return None
+    out = body.get("max_completion_tokens", body.get("max_tokens"))
+    return prompt + (out // 2 if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0)
 
 
 class ExchangeMixin(AppParts):
@@ -208,7 +219,8 @@ class ExchangeMixin(AppParts):
             ktp = None
         counts, sig_state = self._handoff_counts(ktp)
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
-        idx = self._decide(ctx, router, counts, sig_state)
+        tokens = _context_tokens(answer, body)
+        choice = self._decide(ctx, router, counts, sig_state, tokens)
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
         dec = dict(body)
@@ -217,10 +229,11 @@ class ExchangeMixin(AppParts):
         stream = bool(body.get("stream"))
         tried = set()
         while True:
+            idx = choice.worker
             dw = st.decode.workers[idx]
             tried.add(dw.id)
             ctx.decode = dw.id
-            router.on_dispatch(idx, ctx.rid)
+            router.on_dispatch(choice, ctx.rid)
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except ConnectFailed as e:
@@ -234,7 +247,8 @@ class ExchangeMixin(AppParts):
                 m.child(m.retries, "decode").inc()
             finally:
                 router.on_finish(idx, ctx.rid)
-            idx = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain, healthy=up).worker
+            choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
+                                   healthy=up, tokens=tokens)
 
     def _handoff_counts(self, ktp: dict[str, Any] | None) -> tuple[Any, str]:
         """The handed-off prefill counts [L, E] (None when missing, malformed or not needed) and their state."""
@@ -250,11 +264,13 @@ class ExchangeMixin(AppParts):
             self.metrics.child(self.metrics.signature_missing, "malformed").inc()
             return None, "malformed"
 
-    def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str) -> int:
+    def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
+                tokens: int | None) -> Decision:
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers])
+        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
+                          tokens=tokens)
         dt = time.perf_counter() - t0
         if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
             sig_state = "malformed"
@@ -272,9 +288,10 @@ class ExchangeMixin(AppParts):
                 "signature": sig_state,
                 "similarities": None if d.similarities is None else d.similarities.tolist(),
                 "band": None if d.band is None else d.band.tolist(),
+                "predicted_ms": None if d.predicted_ms is None else [round(float(x), 4) for x in d.predicted_ms],
                 "loads": [int(x) for x in loads], "chosen": d.worker, "worker": wid,
                 "domain": ctx.domain, "decision_us": round(dt * 1e6, 2)})
-        return d.worker
+        return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1

@@ -25,7 +25,10 @@ class RoutingModel:
     """Transform, per-cell weights [L, E], layer mask [N*], unit centroids [K, N* x E], tau."""
 
     def __init__(self, transform: str, weights: np.ndarray, mask: np.ndarray, centroids: np.ndarray,
-                 tau: float = 0.1, domain_share: dict[str, float] | None = None):
+                 tau: float = 0.1, domain_share: dict[str, float] | None = None,
+                 live: tuple[np.ndarray, np.ndarray] | None = None):
+        """``live``: (prototypes [M, N* x E], decode activation [M + 1, L, E]) of the eldr-live policy
+        (:class:`eldr_cli.stages.live.DecodeActivation`); None for artifacts fitted before it."""
         from eldr_cli.stages.signature import SERVABLE_TRANSFORMS
 
         if transform not in SERVABLE_TRANSFORMS:
@@ -37,6 +40,8 @@ class RoutingModel:
         self.centroids = np.ascontiguousarray(centroids, dtype=np.float64)
         self.tau = float(tau)
         self.domain_share = dict(domain_share or {})
+        self.live = None if live is None else (np.ascontiguousarray(live[0], dtype=np.float64),
+                                               np.ascontiguousarray(live[1], dtype=np.float32))
 
     @property
     def n_clusters(self) -> int:
@@ -51,8 +56,9 @@ class RoutingModel:
     def load(cls, path) -> "RoutingModel":
         art = load_routing_artifact(path)
         p = art.params
+        live = (art.array("live_prototypes"), art.array("live_activation")) if p.get("live_prototypes") else None
         return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
-                   tau=p["tau"], domain_share=p.get("domain_share"))
+                   tau=p["tau"], domain_share=p.get("domain_share"), live=live)
 
     def signature(self, counts: np.ndarray) -> np.ndarray:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own

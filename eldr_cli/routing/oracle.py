@@ -62,7 +62,7 @@ class OraclePolicy(Policy):
         self.tau = oracle.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         if signature is None or not math.isfinite(float(np.abs(signature).sum())) or not signature.any():
             self.last = None
             return jsq(loads)

@@ -17,7 +17,7 @@ import numpy as np
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
 
-POLICIES = ("eldr", "round-robin", "random", "jsq", "p2c", "domain")
+POLICIES = ("eldr", "eldr-live", "round-robin", "random", "jsq", "p2c", "domain")
 
 
 class BandDecision(NamedTuple):
@@ -62,11 +62,14 @@ class Policy:
     def __init__(self, n_workers: int, **_: Any) -> None:
         """Every policy is built from the worker count and the factory's keywords (each takes what it needs)."""
 
-    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None) -> int:
+    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
+             tokens: int | None = None) -> int:
+        """``tokens``: the context tokens the request will hold on its decoder (cost-aware policies)."""
         raise NotImplementedError
 
-    def on_dispatch(self, worker: int, key: Any) -> None:
-        """A request (``key``) was sent to ``worker``."""
+    def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
+        """A request (``key``) was sent to ``worker``; ``detail`` is what this policy's pick left in
+        ``last`` for it."""
 
     def on_finish(self, worker: int, key: Any) -> None:
         """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
@@ -79,7 +82,7 @@ class RoundRobin(Policy):
         self.n = n_workers
         self._next = 0
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         w = self._next % len(loads)
         self._next = w + 1
         return w
@@ -91,7 +94,7 @@ class RandomPolicy(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         return int(self.rng.integers(len(loads)))
 
 
@@ -101,7 +104,7 @@ class JSQ(Policy):
     def __init__(self, n_workers: int, **_):
         pass
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         return jsq(loads)
 
 
@@ -113,7 +116,7 @@ class P2C(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         n = len(loads)
         if n == 1:
             return 0
@@ -157,7 +160,7 @@ class DomainPolicy(Policy):
         self.groups = split_workers_by_share(domain_share, n_workers)
         self.unlabelled = 0
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         group = self.groups.get(domain) if domain is not None else None
         if group is None:
             self.unlabelled += 1
@@ -182,7 +185,7 @@ class EldrPolicy(Policy):
         self.tau = model.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         if signature is None:
             self.last = None
             return jsq(loads)
@@ -190,6 +193,11 @@ class EldrPolicy(Policy):
         return self.last.worker
 
 
-POLICY_CLASSES: dict[str, type[Policy]] = {"eldr": EldrPolicy, "round-robin": RoundRobin,
-                                            "random": RandomPolicy, "jsq": JSQ, "p2c": P2C,
-                                            "domain": DomainPolicy}
+def _live_policy(n_workers: int, **kw: Any) -> Policy:
+    from eldr_cli.routing.live import EldrLivePolicy
+
+    return EldrLivePolicy(n_workers, **kw)
+
+
+POLICY_CLASSES: dict[str, Any] = {"eldr": EldrPolicy, "eldr-live": _live_policy, "round-robin": RoundRobin,
+                                  "random": RandomPolicy, "jsq": JSQ, "p2c": P2C, "domain": DomainPolicy}

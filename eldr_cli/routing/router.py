@@ -32,6 +32,8 @@ class Decision:
     signature: str                          # "ok" | "missing" | "malformed" | "unused"
     similarities: np.ndarray | None = None  # [K] cosine to each centroid (band policies)
     band: np.ndarray | None = None          # worker indices inside the locality band
+    predicted_ms: np.ndarray | None = None  # [K] predicted added latency per candidate (eldr-live)
+    detail: Any = None                      # what the policy needs back in on_dispatch
 
 
 SignatureFn = Callable[[Any, Any], "np.ndarray | None"]
@@ -68,6 +70,16 @@ class DecodeRouter:
         return self._policy.needs_signature and self.name != "oracle"
 
     @property
+    def stateful(self) -> bool:
+        """Whether the policy follows requests' lives (callers must then call on_dispatch / on_finish)."""
+        return type(self._policy).on_finish is not Policy.on_finish
+
+    @property
+    def policy(self) -> Policy:
+        """The rule inside (read-only use: tests, the proxy's shared live state)."""
+        return self._policy
+
+    @property
     def tau(self) -> float | None:
         tau = getattr(self._policy, "tau", None)
         return None if tau is None else float(tau)
@@ -79,28 +91,31 @@ class DecodeRouter:
 
     # -- the decision and the request's life ------------------------------------------------------
     def decide(self, counts: np.ndarray | None, loads: Sequence[int] | np.ndarray, *, domain: str | None = None,
-               healthy: Sequence[bool] | None = None, key: Any = None) -> Decision:
+               healthy: Sequence[bool] | None = None, key: Any = None, tokens: int | None = None) -> Decision:
         """The decode worker for one request.
 
         ``counts`` int [L, E]: the request's prefill expert counts (None when it has none); ``loads``: in-flight
         requests per decoder; ``domain``: the Domain baseline's label; ``healthy`` (one flag per worker): a pick
         marked down is replaced by the least-loaded healthy worker; ``key``: a stable request key (a trace row)
-        under which offline callers let the router reuse the request's signature.
+        under which offline callers let the router reuse the request's signature; ``tokens``: the context
+        tokens the request will hold on its decoder (prompt + expected output; cost-aware policies).
         """
         sig, state = self._signature(counts, key)
         pol = self._policy
-        idx = pol.pick(loads, sig, domain)
-        last = getattr(pol, "last", None) if sig is not None else None
+        idx = pol.pick(loads, sig, domain, tokens)
+        last = getattr(pol, "last", None)
         if healthy is not None and not healthy[idx]:
             up = [i for i, h in enumerate(healthy) if h]
             if up:
                 idx = min(up, key=lambda i: loads[i])
         if last is None:
             return Decision(int(idx), state)
-        return Decision(int(idx), state, last.similarities, last.band)
+        return Decision(int(idx), state, getattr(last, "similarities", None), getattr(last, "band", None),
+                        getattr(last, "predicted_ms", None), last)
 
-    def on_dispatch(self, worker: int, key: Any) -> None:
-        self._policy.on_dispatch(worker, key)
+    def on_dispatch(self, decision: Decision, key: Any) -> None:
+        """The request ``key`` was sent where ``decision`` says (call before any other decide)."""
+        self._policy.on_dispatch(decision.worker, key, decision.detail)
 
     def on_finish(self, worker: int, key: Any) -> None:
         self._policy.on_finish(worker, key)
@@ -132,10 +147,12 @@ def _cached(fn: Callable[[Any], np.ndarray]) -> SignatureFn:
 
 
 def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None, tau: float | None = None,
-                seed: int = 0, domain_share: dict[str, float] | None = None, oracle=None) -> DecodeRouter:
+                seed: int = 0, domain_share: dict[str, float] | None = None, oracle=None,
+                cost=None) -> DecodeRouter:
     """Build any decode router by name (one of :data:`ROUTERS`).
 
-    ``model``: the routing artifact (eldr; its domain mix for domain); ``tau`` overrides the artifact's;
+    ``model``: the routing artifact (eldr, eldr-live; its domain mix for domain); ``tau`` overrides the artifact's;
+    ``cost``: the step cost model eldr-live predicts with (None: a relative default shape, see routing.live);
     ``seed`` seeds the random policies; ``oracle``: an :class:`eldr_cli.routing.oracle.OracleModel` fitted on
     the served rows' decode counts (see :func:`eldr_cli.routing.oracle.fit_oracle`), needed by ``oracle``,
     whose signature is the request's own decode pattern looked up by ``key``.
@@ -153,6 +170,7 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
                             lambda counts, key: oracle.patterns.get(key))
     if domain_share is None and model is not None:
         domain_share = model.domain_share
-    policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share)
+    policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
+                                  cost=cost)
     sig = _cached(model.signature) if policy.needs_signature and model is not None else None
     return DecodeRouter(policy, n_workers, model, sig)
