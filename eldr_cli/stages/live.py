@@ -56,6 +56,7 @@ class DecodeActivation:
         out[M] = act.mean(axis=0)
         self.prototypes_ = np.ascontiguousarray(km.centroids_, dtype=np.float64)
         self.activation_ = np.clip(out, 0.0, MAX_ACTIVATION).astype(np.float32)
+        self.labels_ = labels  # prototype of each kept row
         self.sizes_ = np.bincount(labels, minlength=M)
         return self
 
