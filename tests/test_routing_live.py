@@ -236,3 +236,14 @@ def _wait(cond, timeout=30.0):
     while not cond():
         assert time.monotonic() - t0 < timeout, "the proxy did not see the client close"
         time.sleep(0.01)
+
+
+def test_proxy_refuses_a_cost_model_of_another_model(routing3, tmp_path):
+    from eldr_cli.costmodel.roofline import run_cost_model
+    from eldr_cli.proxy import build_config, create_app
+
+    run_cost_model(tmp_path / "cost", "Qwen3-30B-A3B", device="H100-SXM")
+    cfg = build_config(None, routing=str(routing3), policy="eldr-live", cost_model=str(tmp_path / "cost"),
+                       prefill=["http://127.0.0.1:9"], decode=[f"http://127.0.0.1:{p}" for p in (10, 11, 12)])
+    with pytest.raises(EldrError, match=r"Qwen3-30B-A3B \(L=48, E=128\).*L=4, E=16"):
+        create_app(cfg)

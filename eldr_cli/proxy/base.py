@@ -17,6 +17,25 @@ if TYPE_CHECKING:
     from eldr_cli.proxy.metrics import ProxyMetrics
 
 
+def load_step_cost(path: str | None, model: RoutingModel | None) -> Any:
+    """The cost model eldr-live predicts with; a roofline of another model (L or E) than the routing artifact's
+    is refused naming both."""
+    if path is None:
+        return None
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.errors import EldrError
+
+    cost = CostModel.load(path)
+    p = Artifact(path).params
+    shape = (p.get("n_layers"), p.get("num_experts"))
+    if model is not None and p.get("source") == "roofline" and shape != model.shape:
+        raise EldrError(f"--cost-model {path} describes {p.get('model')} (L={shape[0]}, E={shape[1]}) but the "
+                        f"routing artifact is of a model with L={model.shape[0]}, E={model.shape[1]}",
+                        hint="write a cost model of the served model: eldr bench cost-model --model CONFIG")
+    return cost
+
+
 class ProxyState:
     """Everything one proxy instance knows: pools, the decode router, routing model, counters. An admin
     change replaces ``router`` as a whole (built by ``make``); nothing else chooses a decode worker."""
@@ -26,6 +45,7 @@ class ProxyState:
         self.prefill = WorkerPool("prefill", cfg.prefill)
         self.decode = WorkerPool("decode", cfg.decode)
         self.model = RoutingModel.load(cfg.routing) if cfg.routing else None
+        self.cost = load_step_cost(cfg.cost_model, self.model)
         self.routing_path = cfg.routing
         self.tau_override = cfg.tau
         self.router = self.make(cfg.policy, len(self.decode), self.model, cfg.tau)
@@ -36,7 +56,7 @@ class ProxyState:
         self.outcomes: dict[str, int] = {}
 
     def make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> DecodeRouter:
-        return make_router(name, n, model=model, tau=tau, seed=self.cfg.seed)
+        return make_router(name, n, model=model, tau=tau, seed=self.cfg.seed, cost=self.cost)
 
     @property
     def policy_name(self) -> str:

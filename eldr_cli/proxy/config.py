@@ -22,6 +22,7 @@ class ProxyConfig:
     decode: list[str] = field(default_factory=list)
     routing: str | None = None          # routing (or fit) artifact dir; needed by eldr and domain
     policy: str = "eldr"
+    cost_model: str | None = None       # the step cost model eldr-live predicts with (None: relative default)
     tau: float | None = None            # None -> the tau stored in the routing artifact
     seed: int = 0                       # for random / p2c
     host: str = "127.0.0.1"

@@ -36,6 +36,7 @@ from eldr_cli.routing.policies import Policy
 # active experts raise a layer's latency 4.7x; batch barely moves it), in units of one expert's read.
 # (a + 128 b) / (a + 16 b) = 4.7  ->  a = 14.27 b. A relative shape, not a time: decisions only compare.
 DEFAULT_STEP_TERMS_PER_LAYER = (14.27, 1.0, 0.01)  # (per layer, per active expert, per request per layer)
+LOG_Q_FLOOR = -60.0
 LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the least loaded ...
 LOAD_CAP_FRACTION = 0.25  # ... or this share of the mean load, whichever is larger
 
@@ -139,7 +140,8 @@ class EldrLivePolicy(Policy):
     def _refresh(self, d: int) -> None:
         if not self.counts[d].any() and not self.remote[d].any():
             self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
-        self.q[d] = np.exp(self.log_q[d])
+        # experts below e^-60 of being idle count as certainly busy: no float32 denormals in the products
+        self.q[d] = np.where(self.log_q[d] < LOG_Q_FLOOR, 0.0, np.exp(np.maximum(self.log_q[d], LOG_Q_FLOOR)))
         self.active[d] = float(self.q.shape[1] - self.q[d].sum(dtype=np.float64))
 
     def is_empty(self) -> bool:
