@@ -55,14 +55,6 @@ def step_form(cost, n_layers: int) -> tuple[float, ...]:
     return tuple(float(x) for x in cost.step_terms(n_layers, 1.0))
 
 
-def _steps(terms, A: np.ndarray, B: np.ndarray, C: np.ndarray) -> np.ndarray:
-    const, kb, kt, m0, kv, kc, ka, roof = terms
-    mem = m0 + kb * A + kv * C
-    if roof:
-        mem = np.maximum(mem, kc * B + ka * C)
-    return const + mem + kt * B
-
-
 class EldrLivePolicy(Policy):
     name = "eldr-live"
     needs_signature = True
@@ -80,7 +72,7 @@ class EldrLivePolicy(Policy):
             raise EldrError(f"the routing artifact's decode-activation model is {act.shape[1]}x{act.shape[2]}, "
                             f"its signatures {L}x{E}", hint="refit it with `eldr fit`")
         self.n = n_workers
-        self.protos = protos
+        self.protos = np.ascontiguousarray(protos, dtype=np.float64)
         self.act = act.reshape(act.shape[0], -1)                          # [M + 1, L*E]
         self.log_idle = np.log1p(-self.act.astype(np.float64))           # log(1 - a)
         self.terms = step_form(cost, L)
@@ -100,17 +92,21 @@ class EldrLivePolicy(Policy):
         m = self.act.shape[0] - 1 if signature is None else int(np.argmax(self.protos @ signature))
         c_new = int(tokens or 0)
         B = np.asarray(loads, dtype=np.float64)
-        C = (self.tokens + self.remote_tokens).astype(np.float64)
-        dA = self.q @ self.act[m]
-        T = np.where(B > 0, _steps(self.terms, self.active, B, C), 0.0)
-        T1 = _steps(self.terms, self.active + dA, B + 1, C + c_new)
+        C = self.tokens + self.remote_tokens
+        A = self.active
+        const, kb, kt, m0, kv, kc, ka, roof = self.terms
+        A1 = A + self.q @ self.act[m]
+        mem, mem1 = m0 + kb * A + kv * C, m0 + kb * A1 + kv * (C + c_new)
+        if roof:
+            mem, mem1 = np.maximum(mem, kc * B + ka * C), np.maximum(mem1, kc * (B + 1) + ka * (C + c_new))
+        T = (const + mem + kt * B) * (B > 0)  # an idle decoder runs no step
+        T1 = const + mem1 + kt * (B + 1)
         cost = T1 + B * (T1 - T)
-        lo = float(B.min())
-        cap = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * float(B.mean())))
-        masked = np.where(B <= lo + cap, cost, np.inf)
-        best = float(masked.min())
-        ties = np.flatnonzero(masked <= best * (1 + 1e-9))
-        w = int(ties[np.argmin(B[ties])]) if ties.size > 1 else int(ties[0])
+        ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
+        lo = min(ld)
+        cap = lo + max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
+        cl = cost.tolist()
+        w = min((k for k in range(len(ld)) if ld[k] <= cap), key=lambda k: (cl[k], ld[k], k))
         self.last = LiveChoice(cost, m, c_new)
         return w
 
