@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,11 +148,12 @@ def doc_fixtures(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def workspace(tmp_path, doc_fixtures) -> Path:
+def workspace(tmp_path, doc_fixtures) -> Iterator[Path]:
     shutil.copytree(doc_fixtures, tmp_path / "artifacts", symlinks=True)
     for name in LINKED:
         (tmp_path / name).symlink_to(ROOT / name)
-    return tmp_path
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)  # ~10 MB per block; the failure report is already written
 
 
 def test_blocks_are_found():
