@@ -32,7 +32,7 @@ class ProxyState:
         self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
         self.in_progress = 0
         self.started = 0
-        self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
+        self.shared = make_shared_state(cfg)  # local, or counts and changes shared via Redis
         self.outcomes: dict[str, int] = {}
 
     def _make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> Policy:

@@ -72,6 +72,11 @@ class _LiveCollector:
         c = CounterMetricFamily("eldr_proxy_state_outages", "Times the shared state became unreachable")
         c.add_metric([], sh.outages)
         yield c
+        c = CounterMetricFamily("eldr_proxy_state_rejected", "Shared-state messages ignored (unsigned, bad "
+                                "signature, malformed, stale, replayed)", labels=["reason"])
+        for reason, n in sh.rejected.items():
+            c.add_metric([reason], n)
+        yield c
 
 
 class ProxyMetrics:

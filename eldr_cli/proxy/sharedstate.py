@@ -1,4 +1,9 @@
-"""Router state shared between proxy replicas (``eldr serve-proxy --state redis://HOST:PORT[/DB]``).
+"""Router state shared between proxy replicas (``eldr serve-proxy --state redis[s]://HOST:PORT[/DB]``).
+
+Every message and heartbeat a replica writes is sealed (:mod:`eldr_cli.proxy.stateauth`: HMAC under a
+key all replicas share, origin, sequence, time); what fails the check is dropped and counted, so write
+access to Redis alone steers nothing. Connection options (ACL user, password, TLS, key prefix):
+:mod:`eldr_cli.proxy.stateconn`.
 
 The locality band needs every replica to see every decoder's load, or replicas pile requests onto
 the same "least loaded" decoder. What is shared, and how:
@@ -7,10 +12,12 @@ the same "least loaded" decoder. What is shared, and how:
   When they change, the replica publishes all of them (absolute values, with a version number) on
   ``<ns>:counts``: the first change after a quiet spell at once, a burst at most once per
   ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
-  request. Every ``HEARTBEAT_S`` it also writes them to its own hash ``<ns>:inflight:<replica>``
+  request. Every ``HEARTBEAT_S`` it also writes them to its own key ``<ns>:inflight:<replica>``
   with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
   (which repairs any lost message: the newer version wins). The sum over the other replicas is
-  ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
+  ``Worker.remote_inflight``, which the decision adds to the local count. The same message carries
+  named per-worker integer vectors (``set_local_vectors``; for stateful policies), summed over the
+  other replicas into ``Worker.remote_vectors[name]`` the same way. A replica that dies stops
   counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
   A decision never waits for Redis: it reads the last counts that arrived.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
@@ -30,12 +37,13 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Protocol
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
+from eldr_cli.proxy.stateauth import REASONS, Envelope, Opened
+from eldr_cli.proxy.stateconn import StateConn, parse_state_url
 
-from eldr_cli.errors import EldrError
+if TYPE_CHECKING:
+    from eldr_cli.proxy.config import ProxyConfig
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -43,6 +51,9 @@ HEARTBEAT_S = 0.1
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
+CHANGE_KINDS = ("policy", "workers", "reload", "health")
+MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
+MAX_VECTOR_LEN = 4096
 
 
 class StateHost(Protocol):
@@ -51,21 +62,6 @@ class StateHost(Protocol):
     def all_workers(self) -> list[Any]: ...
 
     def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
-
-
-def parse_state_url(value: str | None) -> str:
-    """``local`` or a ``redis://HOST:PORT[/DB]`` URL, checked; raises EldrError naming --state."""
-    if value is None or value == "local":
-        return "local"
-    try:
-        u = urlsplit(value)
-        port = u.port
-        db = u.path.strip("/")
-    except ValueError as e:
-        raise EldrError(f"--state {value!r} is not a valid URL: {e}") from None
-    if u.scheme != "redis" or not u.hostname or port is None or (db and not db.isdigit()):
-        raise EldrError(f"--state must be 'local' or redis://HOST:PORT[/DB], got {value!r}")
-    return value
 
 
 class LocalState:
@@ -78,6 +74,26 @@ class LocalState:
         self.errors = 0
         self.outages = 0
         self.in_outage = False
+        self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
+        self.env: Envelope | None = None
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        return self.env.rejected if self.env is not None else dict.fromkeys(REASONS, 0)
+
+    def ignored_origins(self, within_s: float = 60.0) -> list[str]:
+        """Origins (as claimed) whose messages failed the signature check lately: a replica with
+        another key, or someone forging."""
+        if self.env is None:
+            return []
+        now = time.time()
+        return sorted(o for o, t in self.env.ignored.items() if now - t <= within_s)
+
+    def set_local_vectors(self, name: str, vectors: dict[str, list[int]]) -> None:
+        """This replica's per-worker integer vectors named ``name`` (``{worker id: [int, ...]}``), for a
+        stateful policy; the other replicas see their sum in ``Worker.remote_vectors[name]``."""
+        self.local_vectors[name] = vectors
+        self.note_change()
 
     @property
     def live_replicas(self) -> int:
@@ -105,11 +121,11 @@ class RedisState(LocalState):
 
     kind = "redis"
 
-    def __init__(self, url: str, namespace: str = "eldr") -> None:
+    def __init__(self, conn: StateConn, key: bytes) -> None:
         super().__init__()
-        self.url = url
-        # pub/sub channels are server-wide, not per database: the database number is part of every name
-        self.ns = f"{namespace}:{urlsplit(url).path.strip('/') or '0'}"
+        self.conn = conn
+        self.ns = conn.namespace
+        self.env = Envelope(key, self.ns, self.replica_id)
         self._replicas = 1
         self._last_sync = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,8 +133,8 @@ class RedisState(LocalState):
         self._redis: Any = None
         self._channel = f"{self.ns}:admin"
         self._counts_channel = f"{self.ns}:counts"
-        self.version = 0  # of this replica's published counts
-        self._others: dict[str, tuple[int, dict[str, int]]] = {}  # replica -> (version, counts)
+        # replica -> (sequence, counts, vectors): the newest verified state of each other replica
+        self._others: dict[str, tuple[int, dict[str, int], dict[str, dict[str, list[int]]]]] = {}
         self._flush_scheduled = False
         self._last_flush = float("-inf")  # loop time of the last counts message
 
@@ -136,12 +152,11 @@ class RedisState(LocalState):
         import redis.asyncio as aioredis
 
         self._host = host
-        self._redis = aioredis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                        health_check_interval=0)
+        self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()), loop.create_task(self._subscribe_loop())]
         log.info("shared state", extra={"event": "state", "state": "redis", "replica": self.replica_id,
-                                        "staleness_bound_s": STALENESS_BOUND_S})
+                                        "namespace": self.ns, "staleness_bound_s": STALENESS_BOUND_S})
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -165,39 +180,55 @@ class RedisState(LocalState):
             self._redis = None
 
     # -- counts ---------------------------------------------------------------------------------
+    def _sealed_counts(self) -> bytes:
+        """This replica's counts (and vectors, when a policy keeps some) as one signed message."""
+        assert self.env is not None and self._host is not None
+        workers = self._host.all_workers()
+        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers}}
+        if self.local_vectors:
+            keys = {w.id: f"{w.role}|{w.url}" for w in workers}
+            payload["v"] = {name: {keys[wid]: vec for wid, vec in vecs.items() if wid in keys}
+                            for name, vecs in self.local_vectors.items()}
+        return self.env.seal("counts", payload)
+
+    def _accept_counts(self, data: bytes | str, replica: str | None = None) -> str | None:
+        """Verify a counts message (or a heartbeat value read from ``replica``'s key); keep it if it
+        is newer than what we have. Returns its origin when it verified."""
+        assert self.env is not None
+        msg = self.env.open(data, ("counts",))
+        if msg is None:
+            return None
+        if replica is not None and msg.origin != replica:
+            self.env.reject("malformed", origin=msg.origin)  # a valid value copied under another name
+            return None
+        try:
+            counts, vectors = _parse_counts(msg)
+        except (TypeError, ValueError, AttributeError):
+            self.env.reject("malformed", origin=msg.origin)
+            return None
+        have = self._others.get(msg.origin)
+        if have is None or have[0] < msg.seq:  # a message newer than the heartbeat wins, and vice versa
+            self._others[msg.origin] = (msg.seq, counts, vectors)
+        return msg.origin
+
     async def sync_once(self) -> None:
         """Publish this replica's counts and read the others' (one heartbeat)."""
         assert self._host is not None and self._redis is not None
-        workers = self._host.all_workers()
-        self.version += 1
-        mine = {f"{w.role}|{w.url}": w.inflight for w in workers}
-        mine["_v"] = self.version  # also keeps the hash in existence when the replica has no workers
-        key = self._key(self.replica_id)
-        reg = f"{self.ns}:replicas"
+        key, reg = self._key(self.replica_id), f"{self.ns}:replicas"
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(key).hset(key, mapping=mine).pexpire(key, TTL_MS).sadd(reg, self.replica_id).smembers(reg)
+        pipe.set(key, self._sealed_counts(), px=TTL_MS).sadd(reg, self.replica_id).srandmember(reg, MAX_REPLICAS)
         res = await pipe.execute()
-        others = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in res[-1])
-        others = [o for o in others if o != self.replica_id]
-        hashes = []
-        if others:
-            pipe = self._redis.pipeline(transaction=False)
-            for o in others:
-                pipe.hgetall(self._key(o))
-            hashes = await pipe.execute()
-        gone, live = [], {}
-        for o, h in zip(others, hashes, strict=True):
-            if not h:
-                gone.append(o)  # expired: the replica stopped or died
-                continue
-            counts = {(f.decode() if isinstance(f, bytes) else f): int(v) for f, v in h.items()}
-            live[o] = (counts.pop("_v", 0), counts)
+        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[-1]} - {self.replica_id})
+        values = await self._redis.mget([self._key(o) for o in others]) if others else []
+        gone, live = [], set()
+        for o, v in zip(others, values, strict=True):
+            if v is None:
+                gone.append(o)  # expired: the replica stopped or died (or a name nobody writes)
+            elif self._accept_counts(v, replica=o) == o:
+                live.add(o)
         if gone:
             await self._redis.srem(reg, *gone)
-        for o, (v, counts) in live.items():  # a message newer than the hash wins
-            if o not in self._others or self._others[o][0] < v:
-                self._others[o] = (v, counts)
-        self._others = {o: vc for o, vc in self._others.items() if o in live}
+        self._others = {o: st for o, st in self._others.items() if o in live}
         self._apply_remote()
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
@@ -207,12 +238,19 @@ class RedisState(LocalState):
 
     def _apply_remote(self) -> None:
         remote: dict[str, int] = {}
-        for _, counts in self._others.values():
+        vectors: dict[str, dict[str, list[int]]] = {}
+        for _, counts, vecs in self._others.values():
             for k, v in counts.items():
                 remote[k] = remote.get(k, 0) + v
+            for name, per_worker in vecs.items():
+                acc = vectors.setdefault(name, {})
+                for k, vec in per_worker.items():
+                    acc[k] = _add(acc.get(k), vec)
         if self._host is not None:
             for w in self._host.all_workers():
-                w.remote_inflight = remote.get(f"{w.role}|{w.url}", 0)
+                k = f"{w.role}|{w.url}"
+                w.remote_inflight = remote.get(k, 0)
+                w.remote_vectors = {name: acc[k] for name, acc in vectors.items() if k in acc}
 
     def note_change(self) -> None:
         if self._flush_scheduled or self._redis is None or self.in_outage:
@@ -233,23 +271,10 @@ class RedisState(LocalState):
         if self._host is None or self._redis is None:
             return
         self._last_flush = asyncio.get_running_loop().time()
-        self.version += 1
-        msg = orjson.dumps({"origin": self.replica_id, "v": self.version,
-                            "counts": {f"{w.role}|{w.url}": w.inflight for w in self._host.all_workers()}})
-        task = asyncio.get_running_loop().create_task(self._publish(msg, self._counts_channel))
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        self._spawn_publish(self._sealed_counts(), self._counts_channel)
 
     def _on_counts(self, data: bytes) -> None:
-        try:
-            msg = orjson.loads(data)
-            origin, v, counts = msg["origin"], int(msg["v"]), msg["counts"]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            return
-        if origin == self.replica_id or not isinstance(counts, dict):
-            return
-        if origin not in self._others or self._others[origin][0] < v:
-            self._others[origin] = (v, {str(k): int(c) for k, c in counts.items()})
+        if self._accept_counts(data) is not None:
             self._apply_remote()
 
     def _failed(self, e: BaseException, *, outage: bool = True) -> None:
@@ -273,16 +298,18 @@ class RedisState(LocalState):
                 await asyncio.wait_for(self.sync_once(), timeout=1.0)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # Redis down, timeouts, protocol errors: local routing
+            except Exception as e:  # Redis down, refused password, timeouts, protocol errors: local routing
                 self._failed(e)
             await asyncio.sleep(HEARTBEAT_S)
 
     # -- run-time changes -----------------------------------------------------------------------
     def publish_change(self, action: str, body: dict[str, Any]) -> None:
-        if self._redis is None:
+        if self._redis is None or self.env is None:
             return
-        msg = orjson.dumps({"origin": self.replica_id, "action": action, "body": body})
-        task = asyncio.get_running_loop().create_task(self._publish(msg, self._channel))
+        self._spawn_publish(self.env.seal(action, body), self._channel)
+
+    def _spawn_publish(self, msg: bytes, channel: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish(msg, channel))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -325,17 +352,51 @@ class RedisState(LocalState):
                         pass
 
     def _on_message(self, data: bytes) -> None:
-        try:
-            msg = orjson.loads(data)
-        except orjson.JSONDecodeError:
+        """A run-time change from another replica: verified here, validated by the host like a local one."""
+        assert self.env is not None
+        msg = self.env.open(data, CHANGE_KINDS, change=True)
+        if msg is None:
             return
-        if not isinstance(msg, dict) or msg.get("origin") == self.replica_id:
+        if not isinstance(msg.payload, dict):
+            self.env.reject("malformed", origin=msg.origin)
             return
-        action, body = msg.get("action"), msg.get("body")
-        if isinstance(action, str) and isinstance(body, dict) and self._host is not None:
-            self._host.apply_remote_change(action, body)
+        if self._host is not None:
+            self._host.apply_remote_change(msg.kind, msg.payload)
 
 
-def make_shared_state(spec: str) -> LocalState:
-    spec = parse_state_url(spec)
-    return LocalState() if spec == "local" else RedisState(spec)
+def _parse_counts(msg: Opened) -> tuple[dict[str, int], dict[str, dict[str, list[int]]]]:
+    """Counts and vectors of a verified counts message, type-checked (raises on anything else)."""
+    p = msg.payload
+    counts = {str(k): _nonneg(c) for k, c in p["c"].items()}
+    vectors = {str(name): {str(k): [int(x) for x in vec] for k, vec in per.items()}
+               for name, per in p.get("v", {}).items()}
+    if any(len(v) > MAX_VECTOR_LEN for per in vectors.values() for v in per.values()):
+        raise ValueError("vector too long")
+    return counts, vectors
+
+
+def _nonneg(c: Any) -> int:
+    if type(c) is not int or c < 0:
+        raise ValueError(f"count {c!r}")
+    return c
+
+
+def _add(acc: list[int] | None, vec: list[int]) -> list[int]:
+    """Element-wise sum; the shorter vector counts as zero-padded."""
+    if acc is None:
+        return list(vec)
+    if len(acc) < len(vec):
+        acc = acc + [0] * (len(vec) - len(acc))
+    return [a + (vec[i] if i < len(vec) else 0) for i, a in enumerate(acc)]
+
+
+def make_shared_state(cfg: ProxyConfig) -> LocalState:
+    """Local, or Redis with the connection and key resolved (and checked) by ``cfg.validate()``."""
+    if parse_state_url(cfg.state) == "local":
+        return LocalState()
+    from eldr_cli.proxy.stateauth import resolve_state_key
+    from eldr_cli.proxy.stateconn import build_state_conn
+
+    key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
+    conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)
+    return RedisState(conn, key)
