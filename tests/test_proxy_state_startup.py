@@ -12,12 +12,12 @@ import time
 import httpx
 import pytest
 import redis as redis_py
+from _tls_util import make_ca_and_server_cert
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.redis_server import RedisServer
 from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread, wait_http
-from _tls_util import make_ca_and_server_cert
 
 PASSWORD = "redis-pass-2"
 KEY = "0123456789abcdef0123456789abcdef"
@@ -111,7 +111,7 @@ def test_acl_user_and_password_file(redis, tmp_path):
     procs = [_serve([*BASE, "--state", url, "--state-password-file", str(pw), "--port", str(p)],
                     {"ELDR_STATE_KEY": KEY}) for p in ports]
     try:
-        for p, proc in zip(ports, procs):
+        for p, proc in zip(ports, procs, strict=True):
             _up(p, proc)
         t0 = time.monotonic()
         while _replicas(f"http://127.0.0.1:{ports[0]}") != 2 and time.monotonic() - t0 < 5:
