@@ -44,6 +44,17 @@ def stubs():
         s.stop()
 
 
+@pytest.fixture
+def target(stubs, redis_url):
+    """Replica A over d0, d1; the attacker's Redis client; the namespace and the right key."""
+    (p0, d0, d1, evil), evil_stub = stubs
+    a, sa = _replica([p0], [d0, d1], redis_url)
+    r = redis_py.Redis.from_url(redis_url)
+    yield a, sa, r, a.state.shared.ns, resolve_state_key(None, TOKEN, redis_url)[0]
+    sa.stop()
+    r.close()
+
+
 def _replica(pre, dec, state, **kw):
     kw.setdefault("admin_token", TOKEN)
     cfg = ProxyConfig(prefill=pre, decode=dec, policy="jsq", state=state, health_interval_s=0, **kw).validate()
@@ -82,95 +93,73 @@ def _view(url):
     return h, {w["url"]: w for w in h["workers"] if w["role"] == "decode"}
 
 
-def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, redis_url):
+def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, target):
     (p0, d0, d1, evil), evil_stub = stubs
-    a, sa = _replica([p0], [d0, d1], redis_url)
-    ns = a.state.shared.ns
-    key = resolve_state_key(None, TOKEN, redis_url)[0]
-    r = redis_py.Redis.from_url(redis_url)
-    try:
-        assert _until(lambda: a.state.shared.sync_age_s() < 0.5)
-        # the issue's messages verbatim (unsigned), then signed with another key, then signed but old
-        r.publish(f"{ns}:admin", orjson.dumps({"origin": "attacker", "action": "workers", "body": {
-            "action": "add", "role": "decode", "url": evil}}))
-        _battery(r, lambda k, p: orjson.dumps({"origin": "attacker", "action": k, "body": p}), ns, evil, d0)
-        _battery(r, lambda k, p: _sealed(b"not the key" * 3, ns, "attacker", k, p), ns, evil, d0)
-        _battery(r, lambda k, p: _sealed(key, ns, "attacker", k, p, age_s=120), ns, evil, d0)
-        # a genuine change, then the same bytes again (replayed) after a newer one
-        genuine = Envelope(key, ns, "replica-b")
-        m1 = genuine.seal("policy", {"policy": "round-robin"})
-        r.publish(f"{ns}:admin", m1)
-        assert _until(lambda: a.state.policy_name == "round-robin", 3)
-        r.publish(f"{ns}:admin", genuine.seal("policy", {"policy": "jsq"}))
-        assert _until(lambda: a.state.policy_name == "jsq", 3)
-        r.publish(f"{ns}:admin", m1)
-        time.sleep(0.5)  # several heartbeats
-        h, dec = _view(sa.url)
-        assert set(dec) == {d0, d1} and all(w["healthy"] for w in dec.values())
-        assert all(w["cluster_inflight"] == 0 for w in dec.values()) and h["replicas"] == 1
-        assert h["policy"] == "jsq"
-        for i in range(4):
-            resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": f"q{i}", "max_tokens": 2},
-                              timeout=30)
-            assert resp.status_code == 200
-        assert sum(evil_stub.stats.values()) == 0  # no prompt reached the attacker's server
-        rej = h["state_rejected"]
-        assert rej["unsigned"] >= 5 and rej["bad_signature"] >= 4 and rej["stale"] >= 4 and rej["replayed"] == 1
-        assert "attacker" in h["state_ignored_origins"]
-        metrics = httpx.get(sa.url + "/metrics").text
-        assert 'eldr_proxy_state_rejected_total{reason="bad_signature"}' in metrics
-    finally:
-        sa.stop()
-        r.close()
+    a, sa, r, ns, key = target
+    assert _until(lambda: a.state.shared.sync_age_s() < 0.5)
+    # the issue's messages verbatim (unsigned), then signed with another key, then signed but old
+    r.publish(f"{ns}:admin", orjson.dumps({"origin": "attacker", "action": "workers", "body": {
+        "action": "add", "role": "decode", "url": evil}}))
+    _battery(r, lambda k, p: orjson.dumps({"origin": "attacker", "action": k, "body": p}), ns, evil, d0)
+    _battery(r, lambda k, p: _sealed(b"not the key" * 3, ns, "attacker", k, p), ns, evil, d0)
+    _battery(r, lambda k, p: _sealed(key, ns, "attacker", k, p, age_s=120), ns, evil, d0)
+    # a genuine change, then the same bytes again (replayed) after a newer one
+    genuine = Envelope(key, ns, "replica-b")
+    m1 = genuine.seal("policy", {"policy": "round-robin"})
+    r.publish(f"{ns}:admin", m1)
+    assert _until(lambda: a.state.policy_name == "round-robin", 3)
+    r.publish(f"{ns}:admin", genuine.seal("policy", {"policy": "jsq"}))
+    assert _until(lambda: a.state.policy_name == "jsq", 3)
+    r.publish(f"{ns}:admin", m1)
+    time.sleep(0.5)  # several heartbeats
+    h, dec = _view(sa.url)
+    assert set(dec) == {d0, d1} and all(w["healthy"] for w in dec.values())
+    assert all(w["cluster_inflight"] == 0 for w in dec.values()) and h["replicas"] == 1
+    assert h["policy"] == "jsq"
+    for i in range(4):
+        resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": f"q{i}", "max_tokens": 2},
+                          timeout=30)
+        assert resp.status_code == 200
+    assert sum(evil_stub.stats.values()) == 0  # no prompt reached the attacker's server
+    rej = h["state_rejected"]
+    assert rej["unsigned"] >= 5 and rej["bad_signature"] >= 4 and rej["stale"] >= 4 and rej["replayed"] == 1
+    assert "attacker" in h["state_ignored_origins"]
+    metrics = httpx.get(sa.url + "/metrics").text
+    assert 'eldr_proxy_state_rejected_total{reason="bad_signature"}' in metrics
 
 
-def test_the_same_battery_signed_with_the_key_takes_effect(stubs, redis_url):
-    (p0, d0, d1, evil), evil_stub = stubs
-    a, sa = _replica([p0], [d0, d1], redis_url)
-    ns = a.state.shared.ns
-    key = resolve_state_key(None, TOKEN, redis_url)[0]
-    r = redis_py.Redis.from_url(redis_url)
-    genuine = Envelope(key, ns, "ghost")
-    try:
-        _battery(r, genuine.seal, ns, evil, d0)
-        assert _until(lambda: len(a.state.decode) == 3 and a.state.policy_name == "round-robin"
-                      and a.state.shared.live_replicas == 2)
-        h, dec = _view(sa.url)
-        assert evil in dec and not dec[d0]["healthy"]
-        assert dec[d0]["cluster_inflight"] == 50 and h["replicas"] == 2  # the signed heartbeat counts
-        assert sum(h["state_rejected"].values()) == 0
-    finally:
-        sa.stop()
-        r.close()
+def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
+    (p0, d0, d1, evil), _ = stubs
+    a, sa, r, ns, key = target
+    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0)
+    assert _until(lambda: len(a.state.decode) == 3 and a.state.policy_name == "round-robin"
+                  and a.state.shared.live_replicas == 2)
+    h, dec = _view(sa.url)
+    assert evil in dec and not dec[d0]["healthy"]
+    assert dec[d0]["cluster_inflight"] == 50 and h["replicas"] == 2  # the signed heartbeat counts
+    assert sum(h["state_rejected"].values()) == 0
 
 
-def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, redis_url):
+def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
     (p0, d0, d1, _), _ = stubs
-    a, sa = _replica([p0], [d0, d1], redis_url)
-    ns = a.state.shared.ns
-    key = resolve_state_key(None, TOKEN, redis_url)[0]
-    r = redis_py.Redis.from_url(redis_url)
+    a, sa, r, ns, key = target
     signed = Envelope(key, ns, "replica-b")
-    try:
-        # the admin endpoint refuses these; signed remote copies are refused the same way
-        local = httpx.post(sa.url + "/admin/workers", json={"action": "add", "role": "decode",
-                                                            "url": "http://127.0.0.1:0"},
-                           headers={"authorization": f"Bearer {TOKEN}"})
-        assert local.status_code == 400
-        for kind, body in (("workers", {"action": "add", "role": "decode", "url": "http://127.0.0.1:0"}),
-                           ("workers", {"action": "add", "role": "decode", "url": "file:///etc/passwd"}),
-                           ("health", {"role": "decode", "url": d0, "healthy": "no"}),
-                           ("policy", {"policy": "nonsense"}),
-                           ("reload", {"routing": "/nonexistent"})):
-            r.publish(f"{ns}:admin", signed.seal(kind, body))
-        m = a.metrics
-        assert _until(lambda: sum(m.child(m.admin_actions, k, "remote_refused")._value.get()
-                                  for k in ("workers", "health", "policy", "reload")) == 5)
-        assert [w.url for w in a.state.decode] == [d0, d1] and all(w.healthy for w in a.state.decode)
-        assert a.state.policy_name == "jsq"
-    finally:
-        sa.stop()
-        r.close()
+    # the admin endpoint refuses these; signed remote copies are refused the same way
+    local = httpx.post(sa.url + "/admin/workers", json={"action": "add", "role": "decode",
+                                                        "url": "http://127.0.0.1:0"},
+                       headers={"authorization": f"Bearer {TOKEN}"})
+    assert local.status_code == 400
+    for kind, body in (("workers", {"action": "add", "role": "decode", "url": "http://127.0.0.1:0"}),
+                       ("workers", {"action": "add", "role": "decode", "url": "file:///etc/passwd"}),
+                       ("health", {"role": "decode", "url": d0, "healthy": "no"}),
+                       ("policy", {"policy": "nonsense"}),
+                       ("reload", {"routing": "/nonexistent"})):
+        r.publish(f"{ns}:admin", signed.seal(kind, body))
+    m = a.metrics
+    assert _until(lambda: sum(m.child(m.admin_actions, k, "remote_refused")._value.get()
+                              for k in ("workers", "health", "policy", "reload")) == 5)
+    assert [w.url for w in a.state.decode] == [d0, d1] and all(w.healthy for w in a.state.decode)
+    assert a.state.policy_name == "jsq"
 
 
 def test_a_replica_with_the_wrong_key_is_ignored_and_visible(stubs, redis_url, tmp_path):
