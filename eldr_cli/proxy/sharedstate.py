@@ -367,27 +367,21 @@ class RedisState(LocalState):
 def _parse_counts(msg: Opened) -> tuple[dict[str, int], dict[str, dict[str, list[int]]]]:
     """Counts and vectors of a verified counts message, type-checked (raises on anything else)."""
     p = msg.payload
-    counts = {str(k): _nonneg(c) for k, c in p["c"].items()}
-    vectors = {str(name): {str(k): [int(x) for x in vec] for k, vec in per.items()}
-               for name, per in p.get("v", {}).items()}
-    if any(len(v) > MAX_VECTOR_LEN for per in vectors.values() for v in per.values()):
-        raise ValueError("vector too long")
+    counts, vectors = p["c"], p.get("v", {})
+    if not isinstance(counts, dict) or not isinstance(vectors, dict) \
+            or any(type(c) is not int or c < 0 for c in counts.values()) \
+            or any(not isinstance(v, list) or len(v) > MAX_VECTOR_LEN or type(sum(v)) is not int  # ints only
+                   for per in vectors.values() for v in per.values()):
+        raise ValueError("counts must be non-negative integers, vectors lists of at most MAX_VECTOR_LEN integers")
     return counts, vectors
-
-
-def _nonneg(c: Any) -> int:
-    if type(c) is not int or c < 0:
-        raise ValueError(f"count {c!r}")
-    return c
 
 
 def _add(acc: list[int] | None, vec: list[int]) -> list[int]:
     """Element-wise sum; the shorter vector counts as zero-padded."""
     if acc is None:
         return list(vec)
-    if len(acc) < len(vec):
-        acc = acc + [0] * (len(vec) - len(acc))
-    return [a + (vec[i] if i < len(vec) else 0) for i, a in enumerate(acc)]
+    return [(acc[i] if i < len(acc) else 0) + (vec[i] if i < len(vec) else 0)
+            for i in range(max(len(acc), len(vec)))]
 
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:
