@@ -165,3 +165,12 @@ def test_tls_server_signed_by_another_ca_is_refused(tls_redis):
              env={"ELDR_STATE_KEY": KEY})
     _refused(r, "--state-ca-file")
     assert PASSWORD not in r.stderr
+
+
+def test_the_serving_path_imports_nothing_from_testing():
+    code = ("import sys, eldr_cli.commands.serve_proxy, eldr_cli.proxy.server, eldr_cli.proxy.app, "
+            "eldr_cli.proxy.redis_server, eldr_cli.proxy.sharedstate; "
+            "print(sorted(m for m in sys.modules if m.startswith('eldr_cli.testing')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
