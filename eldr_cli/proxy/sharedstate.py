@@ -250,7 +250,8 @@ class RedisState(LocalState):
             for w in self._host.all_workers():
                 k = f"{w.role}|{w.url}"
                 w.remote_inflight = remote.get(k, 0)
-                w.remote_vectors = {name: acc[k] for name, acc in vectors.items() if k in acc}
+                if vectors or w.remote_vectors:  # nothing to build while no policy keeps vectors
+                    w.remote_vectors = {name: acc[k] for name, acc in vectors.items() if k in acc}
 
     def note_change(self) -> None:
         if self._flush_scheduled or self._redis is None or self.in_outage:
