@@ -242,3 +242,17 @@ def test_redis_rejecting_the_password_later_is_an_outage_not_a_crash(stubs):
             sa.stop()
             sb.stop()
             admin.close()
+
+
+def test_envelope_binds_bytes_namespace_and_sequence():
+    key = b"k" * 32
+    a, b = Envelope(key, "eldr:0", "a"), Envelope(key, "eldr:0", "b")
+    msg = a.seal("policy", {"policy": "jsq"})
+    assert b.open(msg, ("policy",), change=True).payload == {"policy": "jsq"}
+    assert b.open(msg, ("policy",), change=True) is None and b.rejected["replayed"] == 1
+    tampered = msg.replace(b'"jsq"', b'"rr!"')
+    assert b.open(tampered, ("policy",)) is None and b.rejected["bad_signature"] == 1
+    other_ns = Envelope(key, "blue:0", "c")
+    assert other_ns.open(a.seal("policy", {}), ("policy",)) is None and other_ns.rejected["bad_signature"] == 1
+    assert a.open(a.seal("policy", {}), ("policy",)) is None and sum(a.rejected.values()) == 0  # own echo
+    assert b.open(a.seal("counts", {}), ("policy",)) is None and b.rejected["malformed"] == 1  # wrong kind
