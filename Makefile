@@ -146,6 +146,10 @@ bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2,
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
 	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
 
+.PHONY: bench-state
+bench-state: venv deps-system  ## signed shared state: signing CPU, 2-replica CPU before/after, the herd (--workers 4)
+	$(BIN)/python benchmarks/bench_state.py --out bench-results/state.json
+
 # -- demo -----------------------------------------------------------------------------------
 demo: venv  ## trained tiny model (cached) -> capture -> fit -> cost model -> emulated + simulated sweeps
 	$(BIN)/python -m eldr_cli.demo --out $(ART)/demo $(DEMO_ARGS)
