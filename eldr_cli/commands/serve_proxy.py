@@ -39,6 +39,9 @@ def serve_proxy_cmd(
                                                 help="CA bundle (PEM) verifying a rediss:// server."),
     state_prefix: Optional[str] = typer.Option(None, "--state-prefix",
                                                help="Namespace of the Redis keys and channels (default eldr)."),
+    state_reserve_ms: Optional[float] = typer.Option(
+        None, "--state-reserve-ms", help="Reserve each decode slot atomically in Redis, waiting at most this "
+                                         "long before deciding locally (default 20; 0: off)."),
     workers: Optional[int] = typer.Option(None, "--workers",
                                           help="Processes behind one port (SO_REUSEPORT); they share state "
                                                "through --state, or a private redis-server without it."),
@@ -52,7 +55,7 @@ def serve_proxy_cmd(
                        decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
                        log_level=log_level, state=state, workers=workers, state_key_file=state_key_file,
                        state_password_file=state_password_file, state_ca_file=state_ca_file,
-                       state_prefix=state_prefix)
+                       state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
     from eldr_cli.proxy.server import bind_socket, serve_workers
     from eldr_cli.proxy.stateconn import redact

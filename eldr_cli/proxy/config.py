@@ -56,6 +56,7 @@ class ProxyConfig:
     state_password_file: str | None = None  # else $ELDR_STATE_PASSWORD, else the URL's
     state_ca_file: str | None = None        # CA bundle verifying a rediss:// server
     state_prefix: str = "eldr"              # namespace of every Redis key and channel
+    state_reserve_ms: float = 20.0          # atomic select-and-reserve deadline (0: decide locally only)
     workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":
@@ -96,6 +97,9 @@ class ProxyConfig:
 
         self.state = parse_state_url(self.state)
         check_prefix(self.state_prefix)
+        if isinstance(self.state_reserve_ms, bool) or not isinstance(self.state_reserve_ms, (int, float)) \
+                or not 0 <= self.state_reserve_ms <= 1000:
+            raise EldrError(f"--state-reserve-ms must be between 0 and 1000, got {self.state_reserve_ms!r}")
         if self.state == "local":
             return
         if self.admin_token is None:

@@ -30,6 +30,7 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
+from eldr_cli.proxy.reserve import reserve_decode
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import DOWN_LOAD, Worker, prompt_key
 from eldr_cli.stages.routing import jsq
@@ -54,6 +55,7 @@ class RequestContext:
     policy: str | None = None
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
+    reserved: str | None = None        # the decode slot reserved in the shared state ("role|url")
 
 
 class ExchangeMixin(AppParts):
@@ -208,6 +210,7 @@ class ExchangeMixin(AppParts):
         if not isinstance(ktp, dict):
             ktp = None
         idx, loads = self._decide(ctx, ktp)
+        idx, ctx.reserved = await reserve_decode(st, idx, loads)  # replicas: one atomic slot in Redis
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
         dec = dict(body)
@@ -363,5 +366,8 @@ class ExchangeMixin(AppParts):
         finally:
             w.inflight -= 1
             self.state.shared.note_change()
+            if ctx.reserved is not None and self.state.shared.reserver is not None:
+                self.state.shared.reserver.release(ctx.reserved)  # the slot, whichever leg used it
+                ctx.reserved = None
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

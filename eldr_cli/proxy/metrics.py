@@ -77,6 +77,12 @@ class _LiveCollector:
         for reason, n in sh.rejected.items():
             c.add_metric([reason], n)
         yield c
+        if sh.reserver is not None:
+            c = CounterMetricFamily("eldr_proxy_state_reservations", "Atomic decode-slot reservations in Redis "
+                                    "(timeout/error/skipped: decided locally)", labels=["result"])
+            for result, n in sh.reserver.results.items():
+                c.add_metric([result], n)
+            yield c
 
 
 class ProxyMetrics:

@@ -1,9 +1,8 @@
 """Router state shared between proxy replicas (``eldr serve-proxy --state redis[s]://HOST:PORT[/DB]``).
 
-Every message and heartbeat a replica writes is sealed (:mod:`eldr_cli.proxy.stateauth`: HMAC under a
-key all replicas share, origin, sequence, time); what fails the check is dropped and counted, so write
-access to Redis alone steers nothing. Connection options (ACL user, password, TLS, key prefix):
-:mod:`eldr_cli.proxy.stateconn`.
+Every message and heartbeat a replica writes is signed (:mod:`eldr_cli.proxy.stateauth`); what fails
+the check is dropped and counted. Connection options: :mod:`eldr_cli.proxy.stateconn`. Atomic
+select-and-reserve of decode slots (the herd): :mod:`eldr_cli.proxy.reserve`.
 
 The locality band needs every replica to see every decoder's load, or replicas pile requests onto
 the same "least loaded" decoder. What is shared, and how:
@@ -13,20 +12,22 @@ the same "least loaded" decoder. What is shared, and how:
   ``<ns>:counts``: the first change after a quiet spell at once, a burst at most once per
   ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
   request. Every ``HEARTBEAT_S`` it also writes them to its own key ``<ns>:inflight:<replica>``
-  with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
-  (which repairs any lost message: the newer version wins). The sum over the other replicas is
+  with a TTL of ``TTL_MS`` and reads the other live replicas' keys (which repairs any lost message:
+  the newer version wins). The sum over the other replicas is
   ``Worker.remote_inflight``, which the decision adds to the local count. The same message carries
   named per-worker integer vectors (``set_local_vectors``; for stateful policies), summed over the
   other replicas into ``Worker.remote_vectors[name]`` the same way. A replica that dies stops
-  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
-  A decision never waits for Redis: it reads the last counts that arrived.
+  counting when its key expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
+  A decision reads the last counts that arrived, then (reservation on) waits at most
+  ``--state-reserve-ms`` for one atomic round trip that picks and reserves the slot.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
   applied locally first (so a change refused on one replica is published nowhere), then published on
   ``<ns>:admin``; every other replica applies the same change. Health transitions (a worker marked
   down or up by a replica's checker) are published the same way.
 - **Outage.** If Redis cannot be reached, each replica routes on its local counts alone (the remote
   counts are dropped, not frozen), logs the outage once and counts it; sharing resumes by itself
-  when Redis answers again. No request path touches Redis, so none fails because of it.
+  when Redis answers again. No request fails because of Redis (a reservation that fails or is late
+  leaves the local decision).
 
 Decision logs stay per replica. :class:`LocalState` is the single-process default (nothing shared).
 """
@@ -37,13 +38,11 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from eldr_cli.proxy.reserve import Reserver
 from eldr_cli.proxy.stateauth import REASONS, Envelope, Opened
-from eldr_cli.proxy.stateconn import StateConn, parse_state_url
-
-if TYPE_CHECKING:
-    from eldr_cli.proxy.config import ProxyConfig
+from eldr_cli.proxy.stateconn import StateConn
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -76,6 +75,7 @@ class LocalState:
         self.in_outage = False
         self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
         self.env: Envelope | None = None
+        self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.reserve)
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -121,9 +121,9 @@ class RedisState(LocalState):
 
     kind = "redis"
 
-    def __init__(self, conn: StateConn, key: bytes) -> None:
+    def __init__(self, conn: StateConn, key: bytes, reserve_ms: float = 0.0) -> None:
         super().__init__()
-        self.conn = conn
+        self.conn, self.reserve_s = conn, reserve_ms / 1000
         self.ns = conn.namespace
         self.env = Envelope(key, self.ns, self.replica_id)
         self._replicas = 1
@@ -153,6 +153,8 @@ class RedisState(LocalState):
 
         self._host = host
         self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
+        if self.reserve_s > 0:
+            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()), loop.create_task(self._subscribe_loop())]
         log.info("shared state", extra={"event": "state", "state": "redis", "replica": self.replica_id,
@@ -167,6 +169,8 @@ class RedisState(LocalState):
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        if self.reserver is not None:
+            await self.reserver.stop()
         if self._redis is not None:
             try:  # a clean stop leaves no counts behind (a crash leaves them until the TTL)
                 await self._redis.delete(self._key(self.replica_id))
@@ -228,6 +232,8 @@ class RedisState(LocalState):
                 live.add(o)
         if gone:
             await self._redis.srem(reg, *gone)
+        if self.reserver is not None and (gone or int(time.monotonic()) != int(self._last_sync)):  # ~1/s
+            await self.reserver.cleanup()
         self._others = {o: st for o, st in self._others.items() if o in live}
         self._apply_remote()
         self._replicas = 1 + len(live)
@@ -293,10 +299,20 @@ class RedisState(LocalState):
         self._apply_remote()
         self._replicas = 1
 
+    async def _beat(self) -> Exception | None:
+        """One heartbeat, its failure returned (not raised: a stop during it leaves no unretrieved error)."""
+        try:
+            await self.sync_once()
+        except Exception as e:
+            return e
+        return None
+
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.sync_once(), timeout=1.0)
+                err = await asyncio.wait_for(self._beat(), timeout=1.0)
+                if err is not None:
+                    raise err
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis down, refused password, timeouts, protocol errors: local routing
@@ -383,15 +399,3 @@ def _add(acc: list[int] | None, vec: list[int]) -> list[int]:
         return list(vec)
     return [(acc[i] if i < len(acc) else 0) + (vec[i] if i < len(vec) else 0)
             for i in range(max(len(acc), len(vec)))]
-
-
-def make_shared_state(cfg: ProxyConfig) -> LocalState:
-    """Local, or Redis with the connection and key resolved (and checked) by ``cfg.validate()``."""
-    if parse_state_url(cfg.state) == "local":
-        return LocalState()
-    from eldr_cli.proxy.stateauth import resolve_state_key
-    from eldr_cli.proxy.stateconn import build_state_conn
-
-    key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
-    conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)
-    return RedisState(conn, key)

@@ -1,0 +1,157 @@
+"""Atomic select-and-reserve of a decode slot in Redis: the cure for the herd of replicas.
+
+Replicas that read the same stale loads pick the same "least loaded" decoder: with 4 replicas behind
+one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
+(``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
+round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
+replicas and to reserve it; the slot is released when the decode leg ends. If Redis has not answered
+within the deadline (``--state-reserve-ms``, default 20), the local decision stands (and a late
+answer's slot is released at once).
+
+The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
+only choose *among* candidates the replica picked from signed data: the policy's band (ELDR) or the
+healthy pool (JSQ), narrowed to the workers whose signed load is within ``SLACK`` of the least loaded.
+Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
+heartbeat key has expired are removed by the others (a crash does not leak slots for long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.base import ProxyState
+
+log = logging.getLogger("eldr.proxy.state")
+
+SLACK = 4  # candidates: signed load <= least signed load in the band + SLACK
+RESULTS = ("ok", "timeout", "error", "skipped")
+
+_SELECT = """
+local h = redis.call('HGETALL', KEYS[1])
+local load = {}
+for i = 1, #h, 2 do
+  local p = string.find(h[i], '|', 1, true)
+  if p then
+    local w = string.sub(h[i], p + 1)
+    load[w] = (load[w] or 0) + (tonumber(h[i + 1]) or 0)
+  end
+end
+local best, bestn = 2, nil
+for i = 2, #ARGV do
+  local n = load[ARGV[i]] or 0
+  if bestn == nil or n < bestn then best, bestn = i, n end
+end
+redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|' .. ARGV[best], 1)
+return best - 2
+"""
+_RELEASE = """
+local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return v
+"""
+_CLEANUP = """
+local n = 0
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local p = string.find(f, '|', 1, true)
+  if not p or redis.call('EXISTS', ARGV[1] .. string.sub(f, 1, p - 1)) == 0 then
+    redis.call('HDEL', KEYS[1], f)
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+class Reserver:
+    """The reservation side of :class:`eldr_cli.proxy.sharedstate.RedisState` (one per replica)."""
+
+    def __init__(self, redis: Any, ns: str, replica_id: str, deadline_s: float):
+        self.key, self.replica_id, self.deadline_s = f"{ns}:reserved", replica_id, deadline_s
+        self.heartbeat_prefix = f"{ns}:inflight:"
+        self._redis = redis
+        self._select = redis.register_script(_SELECT)
+        self._release = redis.register_script(_RELEASE)
+        self._cleanup = redis.register_script(_CLEANUP)
+        self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    async def choose(self, cands: Sequence[str]) -> int | None:
+        """Index into ``cands`` of the reserved worker key, or None (the caller decides locally)."""
+        task = asyncio.get_running_loop().create_task(self._select(keys=[self.key], args=[self.replica_id, *cands]))
+        done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
+        if not done:
+            self.results["timeout"] += 1
+            self._bg.add(task)  # a late answer reserved a slot nobody uses: give it back
+            task.add_done_callback(lambda t: self._late(t, cands))
+            return None
+        try:
+            i = int(task.result())
+        except Exception as e:  # noqa: BLE001 - Redis down or refusing: the local decision stands
+            self.results["error"] += 1
+            log.debug("reservation failed", extra={"event": "state", "error": str(e)})
+            return None
+        self.results["ok"] += 1
+        return i if 0 <= i < len(cands) else None
+
+    def _late(self, t: asyncio.Task[Any], cands: Sequence[str]) -> None:
+        self._bg.discard(t)
+        if not t.cancelled() and t.exception() is None:
+            self.release(cands[int(t.result())])
+
+    def release(self, wkey: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(keys=[self.key],
+                                                                    args=[f"{self.replica_id}|{wkey}"]))
+        self._bg.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._bg.discard(t)
+        if not t.cancelled():
+            t.exception()  # retrieved: a failed release is the outage path (fields expire with the replica)
+
+    async def cleanup(self) -> None:
+        """Drop the slots of replicas whose heartbeat key is gone (stopped or crashed)."""
+        await self._cleanup(keys=[self.key], args=[self.heartbeat_prefix])
+
+    async def stop(self) -> None:
+        for t in list(self._bg):
+            t.cancel()
+        try:  # a clean stop leaves no slots behind
+            fields = [f for f in await self._redis.hkeys(self.key)
+                      if (f.decode() if isinstance(f, bytes) else f).startswith(self.replica_id + "|")]
+            if fields:
+                await self._redis.hdel(self.key, *fields)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def reserve_decode(state: ProxyState, idx: int, loads: Sequence[int]) -> tuple[int, str | None]:
+    """The decode worker to use after the policy chose ``idx`` and the reserved worker key (None when
+    nothing was reserved: policy without loads, reservation off, Redis slow or down)."""
+    sh = state.shared
+    rv = getattr(sh, "reserver", None)
+    if rv is None or sh.in_outage or state.policy_name not in ("eldr", "jsq"):
+        if rv is not None:
+            rv.results["skipped"] += 1
+        return idx, None
+    workers = state.decode.workers
+    last = getattr(state.policy, "last", None)
+    band = [int(k) for k in last.band] if state.policy_name == "eldr" and last is not None else range(len(workers))
+    band = [k for k in band if workers[k].healthy]
+    if not band:
+        return idx, None
+    least = min(loads[k] for k in band)
+    cands = [workers[k] for k in band if loads[k] <= least + SLACK]
+    local = workers[idx]
+    keys = [f"{w.role}|{w.url}" for w in cands]
+    i = await rv.choose(keys)
+    cur = state.decode.workers  # an admin change may have changed the pool during the round trip
+    if i is not None and cands[i] in cur:
+        return cur.index(cands[i]), keys[i]
+    if i is not None:
+        rv.release(keys[i])
+    return (cur.index(local) if local in cur else min(idx, len(cur) - 1)), None
