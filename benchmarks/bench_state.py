@@ -40,6 +40,7 @@ from eldr_cli.testing.ports import free_port  # noqa: E402
 from eldr_cli.testing.servers import wait_http  # noqa: E402
 
 ROOT = bp.ROOT
+W4 = ["--workers", "4"]
 
 
 # ------------------------------------------------------------------------------------------ 1
@@ -189,7 +190,8 @@ def bench_herd(tmp: Path, args) -> dict:
                  "max_tokens": 20, "policy": "jsq", "note": "EMULATED: stub decoders"}
     try:
         for _ in range(args.herd_rounds):
-            for name, extra in (("1 proxy", []), ("--workers 4", ["--workers", "4"])):
+            for name, extra in (("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"]),
+                                ("--workers 4, reservation", W4)):
                 port = free_port()
                 p = br._proxy(tmp, f"herd{len(extra)}", pre, dec, port, "--policy", "jsq", *extra)
                 time.sleep(1.0)  # the workers find each other
@@ -211,14 +213,49 @@ def bench_herd(tmp: Path, args) -> dict:
     finally:
         bp._stop(stubs)
     one = max(r["spread_max"] for r in out["1 proxy"])
-    four = max(r["spread_max"] for r in out["--workers 4"])
-    out["spread_max_ratio_4_over_1"] = four / one if one else None
+    for name in ("--workers 4, no reservation", "--workers 4, reservation"):
+        four = max(r["spread_max"] for r in out[name])
+        out[f"spread_max_ratio[{name}] / 1 proxy"] = four / one if one else None
+    return out
+
+
+def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
+    """Client latency at a fixed Poisson rate through --workers 4 with and without the reservation
+    (stubs that answer at once: the figures are the proxy's own added time), interleaved rounds."""
+    ports = [free_port() for _ in range(4)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = br._stubs(tmp, ports)
+    variants = {"no reservation": ["--state-reserve-ms", "0"], "reservation": []}
+    procs, urls = {}, {}
+    out: dict = {"rate": rate, "duration_s": duration, "rounds": rounds}
+    try:
+        for name, extra in variants.items():
+            port = free_port()
+            procs[name] = br._proxy(tmp, f"lat-{len(extra)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
+            urls[name] = f"http://127.0.0.1:{port}"
+        time.sleep(1.0)
+        lat: dict = {k: [] for k in variants}
+        for _ in range(rounds):
+            for name in variants:
+                res = br._loadgen_split(tmp, [urls[name]], rate, duration)
+                lat[name] += res["lat_s"]
+                out.setdefault(f"errors[{name}]", 0)
+                out[f"errors[{name}]"] += res["errors"]
+        for name in variants:
+            out[f"p50_ms[{name}]"] = float(np.percentile(lat[name], 50) * 1e3)
+            out[f"p99_ms[{name}]"] = float(np.percentile(lat[name], 99) * 1e3)
+        ms = [bp._metrics(urls["reservation"]) for _ in range(4)]  # one worker's view per connection, roughly
+        out["reservation_results_one_worker"] = {lab: v for lab, v in ms[0].get(
+            "eldr_proxy_state_reservations_total", [])}
+    finally:
+        for p in [*procs.values(), stubs]:
+            bp._stop(p)
     return out
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="sign,cpu,herd")
+    ap.add_argument("--parts", default="sign,cpu,herd,latency")
     ap.add_argument("--out", default="bench-results/state.json")
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--duration", type=float, default=4.0)
@@ -247,7 +284,12 @@ def main():
               f"after {c['after_median_us']:.0f}, ratio {c['after_over_before']:.3f}")
     if "herd" in parts:
         result["herd"] = bench_herd(tmp, args)
-        print(f"herd: max spread ratio --workers 4 / 1 proxy = {result['herd']['spread_max_ratio_4_over_1']}")
+        for k, v in result["herd"].items():
+            if k.startswith("spread_max_ratio"):
+                print(f"herd: {k} = {v}")
+    if "latency" in parts:
+        result["reserve_latency"] = bench_reserve_latency(tmp, args.rate, args.duration, args.rounds)
+        print("reservation latency:", json.dumps(result["reserve_latency"], indent=1))
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,6 @@ the same "least loaded" decoder. What is shared, and how:
   counts are dropped, not frozen), logs the outage once and counts it; sharing resumes by itself
   when Redis answers again. No request fails because of Redis (a reservation that fails or is late
   leaves the local decision).
-
 Decision logs stay per replica. :class:`LocalState` is the single-process default (nothing shared).
 """
 
@@ -123,8 +122,7 @@ class RedisState(LocalState):
 
     def __init__(self, conn: StateConn, key: bytes, reserve_ms: float = 0.0) -> None:
         super().__init__()
-        self.conn, self.reserve_s = conn, reserve_ms / 1000
-        self.ns = conn.namespace
+        self.conn, self.reserve_s, self.ns = conn, reserve_ms / 1000, conn.namespace
         self.env = Envelope(key, self.ns, self.replica_id)
         self._replicas = 1
         self._last_sync = time.monotonic()
@@ -139,7 +137,7 @@ class RedisState(LocalState):
         self._last_flush = float("-inf")  # loop time of the last counts message
 
     def _key(self, replica: str) -> str:
-        return f"{self.ns}:inflight:{replica}"
+        return f"{self.ns}:inflight:{replica}"  # its heartbeat (signed counts), with a TTL
 
     @property
     def live_replicas(self) -> int:
