@@ -41,7 +41,7 @@ def serve_proxy_cmd(
                                                help="Namespace of the Redis keys and channels (default eldr)."),
     state_reserve_ms: Optional[float] = typer.Option(
         None, "--state-reserve-ms", help="Reserve each decode slot atomically in Redis, waiting at most this "
-                                         "long before deciding locally (default 20; 0: off)."),
+                                         "long before deciding locally (default 50; 0: off)."),
     workers: Optional[int] = typer.Option(None, "--workers",
                                           help="Processes behind one port (SO_REUSEPORT); they share state "
                                                "through --state, or a private redis-server without it."),

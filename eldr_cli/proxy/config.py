@@ -56,7 +56,7 @@ class ProxyConfig:
     state_password_file: str | None = None  # else $ELDR_STATE_PASSWORD, else the URL's
     state_ca_file: str | None = None        # CA bundle verifying a rediss:// server
     state_prefix: str = "eldr"              # namespace of every Redis key and channel
-    state_reserve_ms: float = 20.0          # atomic select-and-reserve deadline (0: decide locally only)
+    state_reserve_ms: float = 50.0          # atomic select-and-reserve deadline (0: decide locally only)
     workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":

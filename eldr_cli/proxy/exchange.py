@@ -30,7 +30,7 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
-from eldr_cli.proxy.reserve import reserve_decode
+from eldr_cli.proxy.reserve import Slot, reserve_decode
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import DOWN_LOAD, Worker, prompt_key
 from eldr_cli.stages.routing import jsq
@@ -55,7 +55,7 @@ class RequestContext:
     policy: str | None = None
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
-    reserved: str | None = None        # the decode slot reserved in the shared state ("role|url")
+    reserved: Slot | None = None       # the decode slot reserved in the shared state
 
 
 class ExchangeMixin(AppParts):

@@ -5,8 +5,8 @@ one port and bursts of arrivals, the in-flight spread across decoders measured 3
 (``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
 round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
 replicas and to reserve it; the slot is released when the decode leg ends. If Redis has not answered
-within the deadline (``--state-reserve-ms``, default 20), the local decision stands (and a late
-answer's slot is released at once).
+within the deadline (``--state-reserve-ms``, default 50), the local decision stands, and the late
+answer's slot is moved to the worker actually used (so the counts in Redis stay complete).
 
 The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
 only choose *among* candidates the replica picked from signed data: the policy's band (ELDR) or the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,6 +54,11 @@ local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
 if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return v
 """
+_MOVE = """
+local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+"""
 _CLEANUP = """
 local n = 0
 for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
@@ -66,6 +72,14 @@ return n
 """
 
 
+@dataclass
+class Slot:
+    """A reserved decode slot: the worker key, and the late reservation still on its way (if any)."""
+
+    key: str
+    pending: asyncio.Task[Any] | None = None
+
+
 class Reserver:
     """The reservation side of :class:`eldr_cli.proxy.sharedstate.RedisState` (one per replica)."""
 
@@ -76,37 +90,49 @@ class Reserver:
         self._select = redis.register_script(_SELECT)
         self._release = redis.register_script(_RELEASE)
         self._cleanup = redis.register_script(_CLEANUP)
+        self._move = redis.register_script(_MOVE)
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self._bg: set[asyncio.Task[Any]] = set()
 
-    async def choose(self, cands: Sequence[str]) -> int | None:
-        """Index into ``cands`` of the reserved worker key, or None (the caller decides locally)."""
+    async def choose(self, cands: Sequence[str], local: str) -> tuple[int | None, Slot | None]:
+        """(index into ``cands`` of the reserved worker, its slot), or (None, the slot of ``local``, the
+        caller's own choice) when Redis is late: the late answer's slot is moved to ``local`` then, so
+        the counts in Redis stay those of the requests really in flight. (None, None) on errors."""
         task = asyncio.get_running_loop().create_task(self._select(keys=[self.key], args=[self.replica_id, *cands]))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
-            self._bg.add(task)  # a late answer reserved a slot nobody uses: give it back
-            task.add_done_callback(lambda t: self._late(t, cands))
-            return None
+            return None, Slot(local, self._spawn(self._move_late(task, cands, local)))
         try:
             i = int(task.result())
         except Exception as e:  # noqa: BLE001 - Redis down or refusing: the local decision stands
             self.results["error"] += 1
             log.debug("reservation failed", extra={"event": "state", "error": str(e)})
-            return None
+            return None, None
         self.results["ok"] += 1
-        return i if 0 <= i < len(cands) else None
+        return (i, Slot(cands[i])) if 0 <= i < len(cands) else (None, None)
 
-    def _late(self, t: asyncio.Task[Any], cands: Sequence[str]) -> None:
-        self._bg.discard(t)
-        if not t.cancelled() and t.exception() is None:
-            self.release(cands[int(t.result())])
+    async def _move_late(self, task: asyncio.Task[Any], cands: Sequence[str], local: str) -> None:
+        i = int(await task)
+        if cands[i] != local:
+            await self._move(keys=[self.key], args=[f"{self.replica_id}|{cands[i]}", f"{self.replica_id}|{local}"])
 
-    def release(self, wkey: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._release(keys=[self.key],
-                                                                    args=[f"{self.replica_id}|{wkey}"]))
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._done)
+        return task
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back (after its late reservation has landed, if it was late)."""
+        self._spawn(self._release_after(slot))
+
+    async def _release_after(self, slot: Slot) -> None:
+        if slot.pending is not None:
+            await asyncio.wait({slot.pending})
+            if slot.pending.cancelled() or slot.pending.exception() is not None:
+                return  # nothing landed: nothing to give back
+        await self._release(keys=[self.key], args=[f"{self.replica_id}|{slot.key}"])
 
     def _done(self, t: asyncio.Task[Any]) -> None:
         self._bg.discard(t)
@@ -129,9 +155,9 @@ class Reserver:
             pass
 
 
-async def reserve_decode(state: ProxyState, idx: int, loads: Sequence[int]) -> tuple[int, str | None]:
-    """The decode worker to use after the policy chose ``idx`` and the reserved worker key (None when
-    nothing was reserved: policy without loads, reservation off, Redis slow or down)."""
+async def reserve_decode(state: ProxyState, idx: int, loads: Sequence[int]) -> tuple[int, Slot | None]:
+    """The decode worker to use after the policy chose ``idx``, and its reserved slot (None when nothing
+    was reserved: a policy without loads, reservation off, Redis down)."""
     sh = state.shared
     rv = getattr(sh, "reserver", None)
     if rv is None or sh.in_outage or state.policy_name not in ("eldr", "jsq"):
@@ -148,10 +174,11 @@ async def reserve_decode(state: ProxyState, idx: int, loads: Sequence[int]) -> t
     cands = [workers[k] for k in band if loads[k] <= least + SLACK]
     local = workers[idx]
     keys = [f"{w.role}|{w.url}" for w in cands]
-    i = await rv.choose(keys)
+    i, slot = await rv.choose(keys, f"{local.role}|{local.url}")
     cur = state.decode.workers  # an admin change may have changed the pool during the round trip
-    if i is not None and cands[i] in cur:
-        return cur.index(cands[i]), keys[i]
-    if i is not None:
-        rv.release(keys[i])
-    return (cur.index(local) if local in cur else min(idx, len(cur) - 1)), None
+    chosen = cands[i] if i is not None else local
+    if chosen in cur:
+        return cur.index(chosen), slot
+    if slot is not None:
+        rv.release(slot)
+    return min(idx, len(cur) - 1), None
