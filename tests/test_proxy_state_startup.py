@@ -101,8 +101,13 @@ def _replicas(h):
 
 def test_acl_user_and_password_file(redis, tmp_path):
     admin = redis_py.Redis(host=redis.host, port=redis.port, password=PASSWORD)
+    # the ACL of docs/serve-proxy-security.md
     admin.acl_setuser("eldr", enabled=True, passwords=["+acl-pass-1"], keys=["eldr:*"], channels=["eldr:*"],
-                      commands=["+@all"])
+                      commands=["+@all", "-@admin", "-@dangerous"])
+    for cmd in (["EVALSHA", "0" * 40, "1", "eldr:0:reserved", "x"], ["SCRIPT", "LOAD", "return 1"],
+                ["EVAL", "return 1", "1", "eldr:0:reserved"], ["HKEYS", "eldr:0:reserved"],
+                ["PUBLISH", "eldr:0:x", "m"]):
+        assert admin.execute_command("ACL", "DRYRUN", "eldr", *cmd) in (b"OK", "OK"), cmd
     pw = tmp_path / "pw"
     pw.write_text("acl-pass-1\n")
     pw.chmod(0o600)
