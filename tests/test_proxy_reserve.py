@@ -14,6 +14,7 @@ import redis as redis_py
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.redis_server import RedisServer
 from eldr_cli.proxy.reserve import SLACK, reserve_decode
+from eldr_cli.routing import Decision
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
@@ -115,12 +116,15 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
     try:  # the attacker makes d0 look full in Redis (reservations are not signed)
         r.hset(f"{a.state.shared.ns}:reserved", f"attacker|decode|{dec[0]}", 1000)
 
-        async def choose(loads):
-            idx, slot = await reserve_decode(a.state, 0, loads)
-            a.state.shared.reserver.release(slot)
-            return idx
+        w1 = a.state.decode.find(dec[1])
 
-        assert sa.call(choose([0, SLACK])) == 1  # d1 is within SLACK of the least signed load: allowed
-        assert sa.call(choose([0, SLACK + 1])) == 0  # d1 is not: d0 is the only candidate
+        async def choose(extra):  # d1 carries `extra` more requests in the signed counts than d0
+            w1.remote_inflight = extra - w1.inflight
+            choice, slot = await reserve_decode(a.state, Decision(0, "unused"))
+            a.state.shared.reserver.release(slot)
+            return choice.worker
+
+        assert sa.call(choose(SLACK)) == 1  # d1 is within SLACK of the least signed load: allowed
+        assert sa.call(choose(SLACK + 1)) == 0  # d1 is not: d0 is the only candidate
     finally:
         r.close()

@@ -18,6 +18,7 @@ heartbeat key has expired are removed by the others (a crash does not leak slots
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.routing import Decision
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -155,30 +157,30 @@ class Reserver:
             pass
 
 
-async def reserve_decode(state: ProxyState, idx: int, loads: Sequence[int]) -> tuple[int, Slot | None]:
-    """The decode worker to use after the policy chose ``idx``, and its reserved slot (None when nothing
-    was reserved: a policy without loads, reservation off, Redis down)."""
+async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision, Slot | None]:
+    """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
+    was reserved: a policy that is not least-loaded-in-a-set, reservation off, Redis down)."""
     sh = state.shared
-    rv = getattr(sh, "reserver", None)
-    if rv is None or sh.in_outage or state.policy_name not in ("eldr", "jsq"):
+    rv = sh.reserver
+    if rv is None or sh.in_outage or state.router.name not in ("eldr", "jsq"):
         if rv is not None:
             rv.results["skipped"] += 1
-        return idx, None
+        return choice, None
     workers = state.decode.workers
-    last = getattr(state.policy, "last", None)
-    band = [int(k) for k in last.band] if state.policy_name == "eldr" and last is not None else range(len(workers))
+    loads = state.decode.loads(state.cfg.scrape_metrics)
+    band = [int(k) for k in choice.band] if choice.band is not None else range(len(workers))
     band = [k for k in band if workers[k].healthy]
     if not band:
-        return idx, None
+        return choice, None
     least = min(loads[k] for k in band)
     cands = [workers[k] for k in band if loads[k] <= least + SLACK]
-    local = workers[idx]
+    local = workers[choice.worker]
     keys = [f"{w.role}|{w.url}" for w in cands]
     i, slot = await rv.choose(keys, f"{local.role}|{local.url}")
     cur = state.decode.workers  # an admin change may have changed the pool during the round trip
     chosen = cands[i] if i is not None else local
     if chosen in cur:
-        return cur.index(chosen), slot
+        return dataclasses.replace(choice, worker=cur.index(chosen)), slot
     if slot is not None:
         rv.release(slot)
-    return min(idx, len(cur) - 1), None
+    return choice, None
