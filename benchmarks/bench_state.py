@@ -63,6 +63,12 @@ def _state_with(workers, vectors):
         def apply_remote_change(self, action, body):
             pass
 
+        def local_vectors(self):
+            return {}
+
+        def remote_vectors_changed(self):
+            pass
+
     st = RedisState(StateConn("redis://127.0.0.1:1/0"), b"k" * 32)
     st._host = Host()
     if vectors:

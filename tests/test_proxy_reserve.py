@@ -128,3 +128,42 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
         assert sa.call(choose(SLACK + 1)) == 0  # d1 is not: d0 is the only candidate
     finally:
         r.close()
+
+
+def test_eldr_live_replicas_see_each_others_live_sets(redis, tmp_path):
+    """eldr-live's per-decoder vectors ride the signed counts: replica B's view of the others plus its own
+    equals what one proxy holding every request would hold."""
+    import contextlib
+
+    from _proxy_util import build_routing
+
+    routing = build_routing(tmp_path, decoders=2)
+    url = f"redis://{redis.host}:{redis.port}/{next(_db)}"
+    stubs = [ServerThread(StubWorker("p0")).start()] + \
+            [ServerThread(StubWorker(f"d{i}", token_delay_s=0.05)).start() for i in range(2)]
+    reps = []
+    try:
+        for _ in range(2):
+            cfg = ProxyConfig(prefill=[stubs[0].url], decode=[s.url for s in stubs[1:]], policy="eldr-live",
+                              routing=str(routing), state=url, admin_token=TOKEN, health_interval_s=0).validate()
+            app = create_app(cfg)
+            reps.append((app, ServerThread(app).start()))
+        (a, sa), (b, sb) = reps
+        pa, pb = a.state.router.policy, b.state.router.policy
+        assert _until(lambda: b.state.shared.live_replicas == 2)
+        with httpx.Client(timeout=30) as c, contextlib.ExitStack() as stack:
+            for i in range(3):
+                r = stack.enter_context(c.stream("POST", sa.url + "/v1/completions", json={
+                    "model": "m", "prompt": f"held {i} " + "w " * (5 * i), "max_tokens": 60, "stream": True}))
+                lines = r.iter_lines()
+                next(lines)
+                stack.callback(lines.close)
+            assert pa.counts.sum() == 3
+            assert _until(lambda: (pb.remote == pa.counts).all() and (pb.counts + pb.remote).sum() == 3, 3), \
+                (pb.remote, pa.counts)
+        assert _until(lambda: not pb.remote.any(), 5)  # finished requests leave the others' view too
+    finally:
+        for _, s in reps:
+            s.stop()
+        for s in stubs:
+            s.stop()

@@ -40,8 +40,9 @@ import uuid
 from typing import Any, Protocol
 
 from eldr_cli.proxy.reserve import Reserver
-from eldr_cli.proxy.stateauth import REASONS, Envelope, Opened
+from eldr_cli.proxy.stateauth import REASONS, Envelope
 from eldr_cli.proxy.stateconn import StateConn
+from eldr_cli.proxy.statecounts import parse_counts, sum_counts
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -51,13 +52,16 @@ TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
 CHANGE_KINDS = ("policy", "workers", "reload", "health")
 MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
-MAX_VECTOR_LEN = 4096
 
 
 class StateHost(Protocol):
     """What a shared state needs from the proxy app (``ProxyApp`` implements it)."""
 
     def all_workers(self) -> list[Any]: ...
+
+    def local_vectors(self) -> dict[str, dict[str, list[int]]]: ...
+
+    def remote_vectors_changed(self) -> None: ...
 
     def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
 
@@ -187,10 +191,11 @@ class RedisState(LocalState):
         assert self.env is not None and self._host is not None
         workers = self._host.all_workers()
         payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers}}
-        if self.local_vectors:
+        local = {**self.local_vectors, **self._host.local_vectors()}
+        if local:
             keys = {w.id: f"{w.role}|{w.url}" for w in workers}
             payload["v"] = {name: {keys[wid]: vec for wid, vec in vecs.items() if wid in keys}
-                            for name, vecs in self.local_vectors.items()}
+                            for name, vecs in local.items()}
         return self.env.seal("counts", payload)
 
     def _accept_counts(self, data: bytes | str, replica: str | None = None) -> str | None:
@@ -204,8 +209,8 @@ class RedisState(LocalState):
             self.env.reject("malformed", origin=msg.origin)  # a valid value copied under another name
             return None
         try:
-            counts, vectors = _parse_counts(msg)
-        except (TypeError, ValueError, AttributeError):
+            counts, vectors = parse_counts(msg.payload)
+        except (TypeError, ValueError, AttributeError, KeyError):
             self.env.reject("malformed", origin=msg.origin)
             return None
         have = self._others.get(msg.origin)
@@ -241,21 +246,17 @@ class RedisState(LocalState):
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
 
     def _apply_remote(self) -> None:
-        remote: dict[str, int] = {}
-        vectors: dict[str, dict[str, list[int]]] = {}
-        for _, counts, vecs in self._others.values():
-            for k, v in counts.items():
-                remote[k] = remote.get(k, 0) + v
-            for name, per_worker in vecs.items():
-                acc = vectors.setdefault(name, {})
-                for k, vec in per_worker.items():
-                    acc[k] = _add(acc.get(k), vec)
+        remote, vectors = sum_counts([(c, v) for _, c, v in self._others.values()])
         if self._host is not None:
+            changed = False
             for w in self._host.all_workers():
                 k = f"{w.role}|{w.url}"
                 w.remote_inflight = remote.get(k, 0)
                 if vectors or w.remote_vectors:  # nothing to build while no policy keeps vectors
                     w.remote_vectors = {name: acc[k] for name, acc in vectors.items() if k in acc}
+                    changed = True
+            if changed:
+                self._host.remote_vectors_changed()
 
     def note_change(self) -> None:
         if self._flush_scheduled or self._redis is None or self.in_outage:
@@ -377,23 +378,3 @@ class RedisState(LocalState):
             return
         if self._host is not None:
             self._host.apply_remote_change(msg.kind, msg.payload)
-
-
-def _parse_counts(msg: Opened) -> tuple[dict[str, int], dict[str, dict[str, list[int]]]]:
-    """Counts and vectors of a verified counts message, type-checked (raises on anything else)."""
-    p = msg.payload
-    counts, vectors = p["c"], p.get("v", {})
-    if not isinstance(counts, dict) or not isinstance(vectors, dict) \
-            or any(type(c) is not int or c < 0 for c in counts.values()) \
-            or any(not isinstance(v, list) or len(v) > MAX_VECTOR_LEN or type(sum(v)) is not int  # ints only
-                   for per in vectors.values() for v in per.values()):
-        raise ValueError("counts must be non-negative integers, vectors lists of at most MAX_VECTOR_LEN integers")
-    return counts, vectors
-
-
-def _add(acc: list[int] | None, vec: list[int]) -> list[int]:
-    """Element-wise sum; the shorter vector counts as zero-padded."""
-    if acc is None:
-        return list(vec)
-    return [(acc[i] if i < len(acc) else 0) + (vec[i] if i < len(vec) else 0)
-            for i in range(max(len(acc), len(vec)))]
