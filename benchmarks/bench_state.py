@@ -41,9 +41,8 @@ from eldr_cli.testing.servers import wait_http  # noqa: E402
 
 ROOT = bp.ROOT
 W4 = ["--workers", "4"]
-HERD_VARIANTS = [("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"]),
-                 ("--workers 4, reservation (50 ms)", W4),
-                 ("--workers 4, reservation (500 ms)", W4 + ["--state-reserve-ms", "500"])]
+HERD_VARIANTS = [("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"])] + [
+    (f"--workers 4, reservation ({ms} ms)", W4 + ["--state-reserve-ms", ms]) for ms in ("50", "200", "500")]
 
 
 # ------------------------------------------------------------------------------------------ 1
@@ -233,13 +232,13 @@ def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) 
     ports = [free_port() for _ in range(4)]
     pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
     stubs = br._stubs(tmp, ports)
-    variants = {"no reservation": ["--state-reserve-ms", "0"], "reservation": []}
+    variants = {name: extra[2:] for name, extra in HERD_VARIANTS[1:]}
     procs, urls = {}, {}
     out: dict = {"rate": rate, "duration_s": duration, "rounds": rounds}
     try:
         for name, extra in variants.items():
             port = free_port()
-            procs[name] = br._proxy(tmp, f"lat-{len(extra)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
+            procs[name] = br._proxy(tmp, f"lat-{len(procs)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
             urls[name] = f"http://127.0.0.1:{port}"
         time.sleep(1.0)
         lat: dict = {k: [] for k in variants}
@@ -253,8 +252,9 @@ def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) 
             out[f"p50_ms[{name}]"] = float(np.percentile(lat[name], 50) * 1e3)
             out[f"p99_ms[{name}]"] = float(np.percentile(lat[name], 99) * 1e3)
         # /metrics is answered by whichever of the 4 processes takes the connection: one process's counts
-        out["reservation_results_one_process"] = dict(bp._metrics(urls["reservation"]).get(
-            "eldr_proxy_state_reservations_total", []))
+        for name in list(variants)[1:]:
+            out[f"reservations_one_process[{name}]"] = dict(bp._metrics(urls[name]).get(
+                "eldr_proxy_state_reservations_total", []))
     finally:
         for p in [*procs.values(), stubs]:
             bp._stop(p)
