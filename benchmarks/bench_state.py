@@ -42,7 +42,7 @@ from eldr_cli.testing.servers import wait_http  # noqa: E402
 ROOT = bp.ROOT
 W4 = ["--workers", "4"]
 HERD_VARIANTS = [("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"])] + [
-    (f"--workers 4, reservation ({ms} ms)", W4 + ["--state-reserve-ms", ms]) for ms in ("50", "200", "500")]
+    (f"--workers 4, reservation ({ms} ms)", W4 + ["--state-reserve-ms", ms]) for ms in ("50", "500")]
 
 
 # ------------------------------------------------------------------------------------------ 1

@@ -96,15 +96,15 @@ class Reserver:
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self._bg: set[asyncio.Task[Any]] = set()
 
-    async def choose(self, cands: Sequence[str], local: str) -> tuple[int | None, Slot | None]:
-        """(index into ``cands`` of the reserved worker, its slot), or (None, the slot of ``local``, the
-        caller's own choice) when Redis is late: the late answer's slot is moved to ``local`` then, so
-        the counts in Redis stay those of the requests really in flight. (None, None) on errors."""
+    async def choose(self, cands: Sequence[str]) -> tuple[int | None, asyncio.Task[Any] | None]:
+        """(index into ``cands`` of the reserved worker, None) in time; (None, the pending reservation)
+        when Redis is late (hand it to :meth:`late_slot` with the worker used instead); (None, None) on
+        errors."""
         task = asyncio.get_running_loop().create_task(self._select(keys=[self.key], args=[self.replica_id, *cands]))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
-            return None, Slot(local, self._spawn(self._move_late(task, cands, local)))
+            return None, task
         try:
             i = int(task.result())
         except Exception as e:  # noqa: BLE001 - Redis down or refusing: the local decision stands
@@ -112,7 +112,12 @@ class Reserver:
             log.debug("reservation failed", extra={"event": "state", "error": str(e)})
             return None, None
         self.results["ok"] += 1
-        return (i, Slot(cands[i])) if 0 <= i < len(cands) else (None, None)
+        return (i, None) if 0 <= i < len(cands) else (None, None)
+
+    def late_slot(self, task: asyncio.Task[Any], cands: Sequence[str], used: str) -> Slot:
+        """The slot of ``used``, the worker chosen locally while the reservation was late: the late
+        answer's slot is moved to it, so the counts in Redis stay those of the requests in flight."""
+        return Slot(used, self._spawn(self._move_late(task, cands, used)))
 
     async def _move_late(self, task: asyncio.Task[Any], cands: Sequence[str], local: str) -> None:
         i = int(await task)
@@ -174,13 +179,15 @@ async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision,
         return choice, None
     least = min(loads[k] for k in band)
     cands = [workers[k] for k in band if loads[k] <= least + SLACK]
-    local = workers[choice.worker]
     keys = [f"{w.role}|{w.url}" for w in cands]
-    i, slot = await rv.choose(keys, f"{local.role}|{local.url}")
-    cur = state.decode.workers  # an admin change may have changed the pool during the round trip
-    chosen = cands[i] if i is not None else local
-    if chosen in cur:
-        return dataclasses.replace(choice, worker=cur.index(chosen)), slot
-    if slot is not None:
-        rv.release(slot)
+    i, late = await rv.choose(keys)
+    cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
+    if i is not None and cands[i] in cur:
+        return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])
+    if late is not None:  # decide locally now, on the loads of now (not those before the wait)
+        up = [w for w in cands if w in cur] or [w for w in cur if w.healthy] or cur
+        w = min(up, key=lambda w: w.load(state.cfg.scrape_metrics))
+        return dataclasses.replace(choice, worker=cur.index(w)), rv.late_slot(late, keys, f"{w.role}|{w.url}")
+    if i is not None:
+        rv.release(Slot(keys[i]))
     return choice, None
