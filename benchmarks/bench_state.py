@@ -125,11 +125,11 @@ def _before_tree(tmp: Path) -> Path:
     return dst
 
 
-def _replica(tmp, name, tree, pre, dec, state, port):
+def _replica(tmp, name, tree, pre, dec, state, port, *extra):
     env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": "k" * 32}
     p = bp._spawn([bp.PY, "-m", "eldr_cli", "serve-proxy", *sum((["--prefill", u] for u in pre), []),
                    *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
-                   "--policy", "jsq", "--state", state], tmp / f"{name}.log", env=env)
+                   "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log", env=env)
     wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
     return p
 
@@ -139,14 +139,16 @@ def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
     pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
     before = _before_tree(tmp)
     procs = [br._stubs(tmp, ports)]
-    res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, "before": [], "after": []}
+    rows = (("before", before, 1, []), ("after", ROOT, 2, []),
+            ("after, reservation off", ROOT, 3, ["--state-reserve-ms", "0"]))
+    res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, **{r[0]: [] for r in rows}}
     with RedisServer() as redis:
         try:
             variants = {}
-            for name, tree, db in (("before", before, 1), ("after", ROOT, 2)):
+            for name, tree, db, extra in rows:
                 rp = [free_port(), free_port()]
-                ps = [_replica(tmp, f"{name}{i}", tree, pre, dec, f"redis://127.0.0.1:{redis.port}/{db}", rp[i])
-                      for i in range(2)]
+                ps = [_replica(tmp, f"{name[:5]}{db}{i}", tree, pre, dec, f"redis://127.0.0.1:{redis.port}/{db}",
+                               rp[i], *extra) for i in range(2)]
                 procs += ps
                 variants[name] = (ps, [f"http://127.0.0.1:{p}" for p in rp])
             time.sleep(1.0)
@@ -161,8 +163,9 @@ def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
             for p in procs:
                 bp._stop(p)
     b = np.median([r["cpu_us_per_request"] for r in res["before"]])
-    a = np.median([r["cpu_us_per_request"] for r in res["after"]])
-    res["before_median_us"], res["after_median_us"], res["after_over_before"] = float(b), float(a), float(a / b)
+    for name, *_ in rows:
+        res[f"median_us[{name}]"] = float(np.median([r["cpu_us_per_request"] for r in res[name]]))
+        res[f"ratio_to_before[{name}]"] = res[f"median_us[{name}]"] / float(b)
     return res
 
 
@@ -287,9 +290,9 @@ def main():
                   f"{v['message_bytes']:>7}")
     if "cpu" in parts:
         result["cpu"] = bench_cpu(tmp, args.rate, args.duration, args.rounds)
-        c = result["cpu"]
-        print(f"2 replicas, CPU us/request at {args.rate:g} req/s: before {c['before_median_us']:.0f}, "
-              f"after {c['after_median_us']:.0f}, ratio {c['after_over_before']:.3f}")
+        for k, v in result["cpu"].items():
+            if k.startswith(("median_us", "ratio")):
+                print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v:.3f}")
     if "herd" in parts:
         result["herd"] = bench_herd(tmp, args)
         for k, v in result["herd"].items():

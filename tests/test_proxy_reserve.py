@@ -24,16 +24,14 @@ TOKEN = "reserve-test-token"
 @pytest.fixture(scope="module")
 def redis():
     with RedisServer() as r:
+        r.free_dbs = iter(range(1, 16))  # a database (and channel names) per test
         yield r
-
-
-_db = iter(range(1, 16))
 
 
 @pytest.fixture
 def cluster(redis, request):
     reserve_ms = getattr(request, "param", 50.0)
-    url = f"redis://{redis.host}:{redis.port}/{next(_db)}"
+    url = f"redis://{redis.host}:{redis.port}/{next(redis.free_dbs)}"
     stubs = [StubWorker("p0")] + [StubWorker(f"d{i}", token_delay_s=0.05) for i in range(2)]
     servers = [ServerThread(s).start() for s in stubs]
     pre, dec = [servers[0].url], [s.url for s in servers[1:]]
@@ -138,7 +136,7 @@ def test_eldr_live_replicas_see_each_others_live_sets(redis, tmp_path):
     from _proxy_util import build_routing
 
     routing = build_routing(tmp_path, decoders=2)
-    url = f"redis://{redis.host}:{redis.port}/{next(_db)}"
+    url = f"redis://{redis.host}:{redis.port}/{next(redis.free_dbs)}"
     stubs = [ServerThread(StubWorker("p0")).start()] + \
             [ServerThread(StubWorker(f"d{i}", token_delay_s=0.05)).start() for i in range(2)]
     reps = []
