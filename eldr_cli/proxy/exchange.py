@@ -68,6 +68,19 @@ def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
     return prompt + (out // 2 if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0)
 
 
+def _prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill leg's body: one token, not streamed, asking for remote decode (vLLM's PD protocol)."""
+    pre = dict(body)
+    pre["stream"] = False
+    pre["max_tokens"] = 1
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    pre.pop("min_tokens", None)
+    pre.pop("stream_options", None)
+    pre["kv_transfer_params"] = dict(PREFILL_KTP)
+    return orjson.dumps(pre)
+
+
 class ExchangeMixin(AppParts):
     """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
 
@@ -177,15 +190,7 @@ class ExchangeMixin(AppParts):
             headers.append(("authorization", ctx.auth.decode("latin-1")))
 
         # 1. prefill leg (one retry on another worker)
-        pre = dict(body)
-        pre["stream"] = False
-        pre["max_tokens"] = 1
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        pre.pop("min_tokens", None)
-        pre.pop("stream_options", None)
-        pre["kv_transfer_params"] = dict(PREFILL_KTP)
-        pre_raw = orjson.dumps(pre)
+        pre_raw = _prefill_body(body)
         key = prompt_key(body, ctx.endpoint == "chat")
         pw = st.prefix.choose(st.prefill, key)
         failures = []
@@ -389,8 +394,6 @@ class ExchangeMixin(AppParts):
         finally:
             w.inflight -= 1
             self.state.shared.note_change()
-            if ctx.reserved is not None and self.state.shared.reserver is not None:
-                self.state.shared.reserver.release(ctx.reserved)  # the slot, whichever leg used it
-                ctx.reserved = None
+            self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

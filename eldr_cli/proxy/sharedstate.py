@@ -92,6 +92,12 @@ class LocalState:
         now = time.time()
         return sorted(o for o, t in self.env.ignored.items() if now - t <= within_s)
 
+    def release(self, request: Any) -> None:
+        """Give ``request.reserved`` (its reserved decode slot) back, once: its decode leg ended."""
+        if request.reserved is not None and self.reserver is not None:
+            self.reserver.release(request.reserved)
+        request.reserved = None
+
     def set_local_vectors(self, name: str, vectors: dict[str, list[int]]) -> None:
         """This replica's per-worker integer vectors named ``name`` (``{worker id: [int, ...]}``), for a
         stateful policy; the other replicas see their sum in ``Worker.remote_vectors[name]``."""
