@@ -32,6 +32,14 @@ class CostModel:
     source: str = "measured"
     device: str = "cpu"
     top_k: int | None = None  # experts per token in the timed layer (scales the per-token MoE term)
+    # a GPU deployment (roofline): tp, ep, dtype, gpus_per_instance, kv_capacity_tokens, ...; None for a
+    # measured model (no memory limit: decoders are not KV-capped)
+    deployment: dict | None = None
+
+    @property
+    def ep_ranks(self) -> int:
+        """Expert-parallel ranks per instance: a step charges the busiest rank's experts when > 1."""
+        return 1
 
     def token_scale(self, top_k: int | None) -> float:
         """A token's expert compute grows with its top-k: a trace of a top-4 model on a cost model timed
