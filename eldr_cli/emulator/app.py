@@ -81,6 +81,9 @@ class WorkerApp:
                  f"eldr_emulator_unmatched_prompts_total {w.unmatched}"]
         if isinstance(w, DecodeWorker):
             lines.append(f"eldr_emulator_wrapped_requests_total {w.wrapped}")
+            if w.kv_capacity_tokens:  # reserved share of the KV pool (vLLM reports the used share)
+                lines.append(f'vllm:kv_cache_usage_perc{{model_name="{w.model_name}"}} '
+                             f"{min(w.kv_reserved / w.kv_capacity_tokens, 1.0):.4f}")
         if isinstance(w, DecodeWorker) and w.steps:
             late = np.array([s[4] for s in w.steps[-2000:]])
             lines += [f"eldr_emulator_decode_steps_total {len(w.steps)}",

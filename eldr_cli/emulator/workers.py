@@ -115,9 +115,17 @@ class PrefillWorker(Worker):
 
 
 class DecodeWorker(Worker):
-    def __init__(self, *a, max_seqs: int = 256, **kw):
+    """A continuous batch under the simulator's admission rule (eldr_cli/simulator/core.py): at most
+    ``max_seqs`` running and, with a KV capacity (default: the cost model's deployment), a request joins
+    while the KV reserved by the running ones plus its prompt + max tokens fits; the queue is FIFO."""
+
+    def __init__(self, *a, max_seqs: int = 256, kv_capacity_tokens: int | None = None, **kw):
         super().__init__("decode", *a, **kw)
         self.max_seqs = max_seqs
+        dep = getattr(self.replay.cost, "deployment", None) or {}
+        self.kv_capacity_tokens = kv_capacity_tokens if kv_capacity_tokens is not None else \
+            dep.get("kv_capacity_tokens")
+        self.kv_reserved = 0  # tokens reserved by the running requests (prompt + max tokens each)
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
         self.steps: list[tuple] = []
@@ -126,6 +134,19 @@ class DecodeWorker(Worker):
 
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
+
+    @staticmethod
+    def _kv_need(r: DecodeRequest) -> int:
+        return int(r.prompt_tokens) + int(r.max_tokens)
+
+    def _admit(self) -> None:
+        cap = self.kv_capacity_tokens
+        while self.waiting and len(self.running) < self.max_seqs:
+            need = self._kv_need(self.waiting[0])
+            if cap is not None and self.running and self.kv_reserved + need > cap:
+                break  # FIFO: the head waits until running requests free their KV
+            self.running.append(self.waiting.popleft())
+            self.kv_reserved += need
 
     def submit(self, req: DecodeRequest) -> None:
         if self.replay.wraps(req.row, req.max_tokens):
@@ -137,8 +158,7 @@ class DecodeWorker(Worker):
         replay = self.replay
         last_deadline = None
         while True:
-            while self.waiting and len(self.running) < self.max_seqs:
-                self.running.append(self.waiting.popleft())
+            self._admit()
             if not self.running:
                 last_deadline = None
                 self._wake.clear()
@@ -165,4 +185,6 @@ class DecodeWorker(Worker):
                 r.queue.put_nowait(last)
                 if not last:
                     keep.append(r)
+                else:
+                    self.kv_reserved -= self._kv_need(r)
             self.running = keep
