@@ -41,6 +41,11 @@ class CostModel:
         """Expert-parallel ranks per instance: a step charges the busiest rank's experts when > 1."""
         return 1
 
+    def spread_active(self, active_total: float) -> float:
+        """For estimates without the step's bit sets: the experts charged for a union of ``active_total``
+        spread evenly over the EP ranks (a lower bound on the busiest rank's); the union at EP 1."""
+        return active_total / self.ep_ranks
+
     def token_scale(self, top_k: int | None) -> float:
         """A token's expert compute grows with its top-k: a trace of a top-4 model on a cost model timed
         at top-8 pays half the per-token MoE term (the expert-weight term b is unaffected)."""

@@ -30,6 +30,7 @@ the efficiency is fixed at a stated value and the overhead solved from the ratio
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -343,10 +344,13 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
     f = r.facts
     b = CALIBRATION["batch"]
     lo, hi = CALIBRATION["active"]
+    def even(per_layer: int) -> float:  # with EP: the experts spread evenly over the ranks (a lower bound)
+        return math.ceil(per_layer / r.ep) * f.moe_layers
+
     metrics = {
         "fig2_ratio_128_vs_16_batch64": r.moe_layer_ms(b, hi) / r.moe_layer_ms(b, lo),
-        "step_ms_batch1": r.step_ms(f.top_k * f.moe_layers, [context]),
-        "step_ms_batch64_rr_like": r.step_ms(min(f.num_experts, 64 * f.top_k) * f.moe_layers, [context] * 64),
+        "step_ms_batch1": r.step_ms(even(f.top_k), [context]),
+        "step_ms_batch64_rr_like": r.step_ms(even(min(f.num_experts, 64 * f.top_k)), [context] * 64),
         "weights_gb_per_gpu": d.weights_gb_per_gpu, "kv_capacity_tokens": d.kv_capacity_tokens,
     }
     dep = d.as_params()
