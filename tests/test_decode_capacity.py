@@ -46,17 +46,17 @@ CONST = CostModel(a_ms=1.0, b_ms=0.0, c_ms=0.0, source="given")  # 2 ms per step
 
 
 def test_kv_capped_decoder_queues_instead_of_over_running():
-    # 5 requests of 10 prompt tokens + 6 output tokens reserve 16 KV tokens each: a 48-token pool runs 3.
-    # All arrive at t=0; the idle worker starts a step with the first at once (2 ms per step), the others
-    # join at its end as the pool allows
+    # 5 requests of 10 prompt tokens + 6 output tokens: context + the token a step writes stays within one
+    # 16-token block, so a 48-token pool (3 blocks) runs 3. All arrive at t=0; the idle worker starts a
+    # step with the first at once (2 ms per step), the others join at its end as the pool allows
     rp = fake_replay([[[0], [0]]] * 5, 10, CONST, L=2, E=8)
     pool, log = run_pool(rp, 5, 6, cap=48)
-    assert max(log["batch"]) == 3
+    assert max(log["batch"]) == 3 and pool.preemptions == 0
     assert log["batch"].tolist() == [1] + [3] * 6 + [2] * 5 + [1]
     # r3 waits in the queue until r0 finishes (12 ms): its TTFT includes the wait, its TPOT does not
     np.testing.assert_allclose(pool.req_first * 1e3, [2, 4, 4, 14, 16])
     np.testing.assert_allclose(pool.req_finish * 1e3, [12, 14, 14, 24, 26])
-    # one token less and only 2 fit at a time
+    # one token less is 2 blocks: only 2 at a time
     _, log47 = run_pool(rp, 5, 6, cap=47)
     assert max(log47["batch"]) == 2 and len(log47["batch"]) == 18
     # no cap: all 5 run at once, the same as a cap that holds them all
@@ -68,28 +68,57 @@ def test_kv_capped_decoder_queues_instead_of_over_running():
     assert tiny["batch"].tolist() == [1] * 12
 
 
-def test_emulated_decode_worker_applies_the_same_cap():
+# 2 ms per step at L=2 plus 0.2 ms per token (a recomputed context costs its tokens)
+PER_TOKEN = CostModel(a_ms=1.0, b_ms=0.0, c_ms=0.1, source="given")
+
+
+def test_a_request_that_outgrows_the_pool_is_preempted_and_recomputes():
+    # prompts of 14 tokens, 8 output tokens, a 2-block pool. r0 runs alone (1 block), then r1 joins
+    # (1 + 1); at r0's 3rd step its 14 + 2 + 1 tokens need a 2nd block: r1 (the latest) is preempted,
+    # waits for r0 to finish, then recomputes its 14 + 1 tokens in its first step back
+    rp = fake_replay([[[0], [0]]] * 2, 14, PER_TOKEN, L=2, E=8)
+    pool, log = run_pool(rp, 2, 8, cap=32)
+    assert pool.preemptions == 1
+    assert log["batch"].tolist() == [1, 2] + [1] * 13
+    one, two, back = 2 * (1 + 0.1), 2 * (1 + 0.2), 2 * (1 + 0.1 * 16)
+    np.testing.assert_allclose(log["step_ms"], [one, two] + [one] * 6 + [back] + [one] * 6)
+    np.testing.assert_allclose(pool.req_first * 1e3, [one, one + two])
+    np.testing.assert_allclose(pool.req_finish * 1e3, [one + two + 6 * one, one + two + 6 * one + back + 6 * one])
+    assert pool.req_ntok.tolist() == [8, 8]
+
+
+def _emulate(replay, n: int, prompt: int, max_tokens: int, cap):
     from eldr_cli.emulator.workers import DecodeRequest, DecodeWorker
 
-    replay = SimpleNamespace(cost=CONST, wraps=lambda row, m: False, decode_step_ms=lambda rows, done: (1.0, 0))
-
-    async def main(cap):
+    async def main():
         w = DecodeWorker(0, replay, "m", "127.0.0.1", 0, kv_capacity_tokens=cap)
         w.start()
-        reqs = [DecodeRequest(0, 6, True, 10) for _ in range(5)]
+        reqs = [DecodeRequest(0, max_tokens, True, prompt) for _ in range(n)]
         for r in reqs:
             w.submit(r)
         for r in reqs:
             while not await r.queue.get():
                 pass
         await w.stop()
-        return [s[1] for s in w.steps], w.kv_reserved
+        return [s[1] for s in w.steps], [s[3] for s in w.steps], w.preemptions
 
-    batches, left = asyncio.run(main(48))
-    # the batches of the simulator's run above, up to when the worker's first step starts
-    assert max(batches) == 3 and len(batches) in (12, 13) and left == 0
-    free = asyncio.run(main(None))[0]
+    return asyncio.run(main())
+
+
+def test_emulated_decode_worker_applies_the_same_rule():
+    def step_ms(rows, done, recompute=0):  # PER_TOKEN's step at L=2
+        return 2 * (1 + 0.1 * (len(rows) + recompute)), 0
+
+    replay = SimpleNamespace(cost=CONST, wraps=lambda row, m: False, decode_step_ms=step_ms)
+    batches, _, pre = _emulate(replay, 5, 10, 6, 48)
+    # the simulator's batches, up to when the worker's first step starts (submits land before or after it)
+    assert max(batches) == 3 and len(batches) in (12, 13) and pre == 0
+    free = _emulate(replay, 5, 10, 6, None)[0]
     assert max(free) == 5 and len(free) in (6, 7)
+    batches, ms, pre = _emulate(replay, 2, 14, 8, 32)
+    # r1's first step back recomputes 14 + 1 tokens (or 14 + 2 when both were submitted before the first
+    # step, as here the worker task starts after the submits)
+    assert pre == 1 and round(max(ms), 6) in (2 * (1 + 0.1 * 16), 2 * (1 + 0.1 * 17))
 
 
 def _count_by_hand(masks: np.ndarray, L: int, E: int, ep: int) -> int:

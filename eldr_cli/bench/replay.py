@@ -181,18 +181,22 @@ class TraceReplay:
         """Experts a step whose union bit set is ``union`` pays for (the busiest rank's under EP)."""
         return int(charged_counts(union, self.n_layers, self.num_experts, self.ep)[0])
 
-    def decode_step_ms(self, rows, tokens_done) -> tuple[float, int]:
-        """(step ms, distinct active experts summed over layers); the time charges :meth:`charged`."""
+    def decode_step_ms(self, rows, tokens_done, recompute_tokens: int = 0) -> tuple[float, int]:
+        """(step ms, distinct active experts summed over layers); the time charges :meth:`charged`.
+        ``recompute_tokens``: KV of preempted requests recomputed in this step (extra tokens of the step)."""
         if len(rows) == 0:
             a = c = 0
         else:
             u = np.bitwise_or.reduce(self.decode_masks[self.step_index(rows, tokens_done)], axis=0)
             a = int(np.bitwise_count(u).sum())
             c = a if self.ep <= 1 else self.charged(u)
+        tokens = len(rows) + recompute_tokens
         if self.roofline is not None:
+            from eldr_cli.costmodel.roofline import terms_ms
+
             ctx = self.prompt_tokens[np.asarray(rows, dtype=np.int64)] + np.asarray(tokens_done, dtype=np.int64)
-            return float(self.roofline.step_ms(c, ctx)), a
-        return self.cost.step_ms(c, self.n_layers, len(rows), self.token_scale), a
+            return float(terms_ms(self.roofline.step_terms(), c, tokens, float(ctx.sum()))), a
+        return self.cost.step_ms(c, self.n_layers, tokens, self.token_scale), a
 
     def wraps(self, row: int, max_tokens: int) -> bool:
         """Whether a request of ``max_tokens`` on ``row`` decodes past the row's captured steps."""

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 GPU_MEMORY_UTILIZATION = 0.9
 MIN_KV_TOKENS = 65536
 TP_CHOICES = (1, 2, 4, 8, 16)
+KV_BLOCK_TOKENS = 16  # vLLM's default KV block size (the simulator and the emulator allocate in blocks)
 # the params keys every roofline cost model carries at its top level (tools read them)
 DEPLOYMENT_KEYS = ("tp", "ep", "dtype", "gpus_per_instance", "kv_capacity_tokens")
 TP16_NOTE = "TP16 is 16 GPUs per instance: two 8-GPU nodes (vLLM runs it with multi-node parallelism)"

@@ -196,7 +196,8 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     }
     # decode steps past a row's captured ones replay its steps again from the first (wrap)
     wrapped = int((replay.steps[req_row] < max_tokens).sum())
-    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped}
+    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped,
+             "kv_preemptions": dec.preemptions}
     if hasattr(policy, "unlabelled"):
         facts["unlabelled_domain"] = int(policy.unlabelled)
     return cols, dec.step_log(), facts

@@ -2,18 +2,20 @@
 
 Semantics (the same as the emulator's decode worker, eldr_cli/emulator/workers.py):
 - a step starts with the running set R (requests admitted before it started, at most ``max_seqs``,
-  and, with a KV capacity, while the KV reserved by R plus the next request's fits: see below);
+  and, with a KV capacity, as vLLM's scheduler allows: see below);
 - its time is ``cost.step_ms(charged experts, L, |R|, context=R's context lengths)``, evaluated here
   from ``cost.step_terms`` (see :func:`step_time`); the charged experts are the union of R's
   current-step experts summed over layers, or with expert parallelism (``cost.ep_ranks`` > 1) the
   busiest rank's: per layer the max over ranks (contiguous, rank r holds experts [r*E/EP, (r+1)*E/EP))
   of the rank's active experts, summed over layers (METRO's metric); a request's context is its prompt
   tokens plus the tokens generated so far (the KV a GPU step reads; a measured CPU model ignores it);
-- KV capacity (``kv_capacity_tokens``, from the cost model's deployment): a request reserves its prompt
-  + max tokens when it joins R and frees them when it finishes; the FIFO queue's head waits while its
-  reservation does not fit (vLLM instead admits while the *current* tokens fit and preempts on overflow;
-  the reservation never preempts and never runs more than fits, so it is the conservative side). A
-  request larger than the whole pool runs alone rather than never;
+- KV capacity (``kv_capacity_tokens``, from the cost model's deployment), vLLM's rule in blocks of 16
+  tokens: at a step's start every running request needs blocks for its context + the token the step
+  writes; while they exceed the pool the latest admitted request is preempted (its KV freed; it goes
+  back to the queue's head, and the step that admits it again recomputes its prompt + generated tokens:
+  they count as extra tokens of that step, as a chunked prefill in vLLM's batch); with no preemption,
+  the FIFO queue's head joins while its context + 1 fits, else it (and everything behind it) waits. A
+  request alone is never preempted nor refused (it runs even when larger than the pool);
 - when it ends every request in R gets one token (its first token if it had none); requests that
   reached their max tokens finish; the next step starts at once with R minus the finished plus the
   queued requests (FIFO) -- a request arriving mid-step waits for the step boundary;
@@ -31,13 +33,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
+
 INF = np.inf
 # rows of the packed per-request int64 state; R_CUR = R_OFF + R_NTOK mod R_ST (the mask of its next step),
 # kept up to date instead of divided out at every request-step
-R_OFF, R_ST, R_NTOK, R_MAX, R_MEAS, R_CTX0, R_CUR = range(7)
-# rows of the packed per-worker int64 state (W_KV: KV tokens reserved by the running requests)
-W_NRUN, W_QHEAD, W_QTAIL, W_INFLIGHT, W_KV = range(5)
-# the packed int64 geometry: layers, experts, EP ranks, KV capacity in tokens (-1: none)
+# R_RECOMP: 1 when the request was preempted and must recompute its KV when it runs again
+R_OFF, R_ST, R_NTOK, R_MAX, R_MEAS, R_CTX0, R_CUR, R_RECOMP = range(8)
+# rows of the packed per-worker int64 state (W_PREEMPT: preemptions so far)
+W_NRUN, W_QHEAD, W_QTAIL, W_INFLIGHT, W_PREEMPT = range(5)
+# the packed int64 geometry: layers, experts, EP ranks, KV capacity in blocks (-1: none)
 G_L, G_E, G_EP, G_KV = range(4)
 LOG_FIELDS = ("worker", "t_s", "batch", "active_experts", "charged_experts", "step_ms", "measured_itls")
 LOG_DTYPES = (np.int32, np.float64, np.int32, np.int32, np.int32, np.float64, np.int32)
@@ -117,19 +122,55 @@ def union_active(masks, rows, acc, n_layers=0, n_experts=0, ep=1):
     return active
 
 
+@njit(cache=True, inline="always")
+def _blocks_for_step(req, rid):
+    """KV blocks a request holds during its next step: its context plus the token the step writes."""
+    return (req[R_CTX0, rid] + req[R_NTOK, rid] + KV_BLOCK_TOKENS) // KV_BLOCK_TOKENS
+
+
+@njit(cache=True)
+def _schedule_kv(d, req, wk, run, qbuf, cap, max_seqs):
+    """vLLM's scheduler on a pool of ``cap`` KV blocks: preempt the latest admitted running requests
+    while the running ones do not fit (back to the queue's head, to recompute), else admit from the
+    queue's head while it fits."""
+    used = 0
+    for i in range(wk[W_NRUN, d]):
+        used += _blocks_for_step(req, run[d, i])
+    preempted = False
+    while used > cap and wk[W_NRUN, d] > 1:
+        k = wk[W_NRUN, d] - 1
+        rid = run[d, k]
+        used -= _blocks_for_step(req, rid)
+        wk[W_NRUN, d] = k
+        wk[W_QHEAD, d] -= 1  # the slot before the head held an admitted request: reuse it
+        qbuf[d, wk[W_QHEAD, d]] = rid
+        req[R_RECOMP, rid] = 1
+        wk[W_PREEMPT, d] += 1
+        preempted = True
+    if preempted:
+        return  # as vLLM: no admissions in a step that preempted
+    while wk[W_NRUN, d] < max_seqs and wk[W_QHEAD, d] < wk[W_QTAIL, d]:
+        rid = qbuf[d, wk[W_QHEAD, d]]
+        need = _blocks_for_step(req, rid)
+        if wk[W_NRUN, d] > 0 and used + need > cap:
+            break  # FIFO: the head waits for KV to free
+        used += need
+        run[d, wk[W_NRUN, d]] = rid
+        wk[W_NRUN, d] += 1
+        wk[W_QHEAD, d] += 1
+
+
 @njit(cache=True)
 def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, geo, acc, log, cnt):
     max_seqs = run.shape[1]
     cap = geo[G_KV]
-    while wk[W_NRUN, d] < max_seqs and wk[W_QHEAD, d] < wk[W_QTAIL, d]:
-        rid = qbuf[d, wk[W_QHEAD, d]]
-        need = req[R_CTX0, rid] + req[R_MAX, rid]  # the KV it reserves: prompt + max tokens
-        if cap >= 0 and wk[W_NRUN, d] > 0 and wk[W_KV, d] + need > cap:
-            break  # FIFO: the head waits for running requests to finish
-        run[d, wk[W_NRUN, d]] = rid
-        wk[W_KV, d] += need
-        wk[W_NRUN, d] += 1
-        wk[W_QHEAD, d] += 1
+    if cap >= 0:
+        _schedule_kv(d, req, wk, run, qbuf, cap, max_seqs)
+    else:
+        while wk[W_NRUN, d] < max_seqs and wk[W_QHEAD, d] < wk[W_QTAIL, d]:
+            run[d, wk[W_NRUN, d]] = qbuf[d, wk[W_QHEAD, d]]
+            wk[W_NRUN, d] += 1
+            wk[W_QHEAD, d] += 1
     B = wk[W_NRUN, d]
     if B == 0:
         step_end[d] = INF
@@ -140,6 +181,7 @@ def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, geo, acc, log,
         acc[w] = 0
     meas = 0
     ctx = 0.0
+    recompute = 0  # tokens of preempted requests recomputed in this step
     for i in range(B):
         rid = run[d, i]
         ntok = req[R_NTOK, rid]
@@ -149,13 +191,16 @@ def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, geo, acc, log,
         if req[R_MEAS, rid] != 0 and ntok >= 1:
             meas += 1
         ctx += float(req[R_CTX0, rid] + ntok)  # prompt + generated: the KV this step reads
+        if cap >= 0 and req[R_RECOMP, rid] != 0:
+            recompute += req[R_CTX0, rid] + ntok
+            req[R_RECOMP, rid] = 0
     active = 0
     for w in range(W):
         active += _popcount64(acc[w])
     charged = active
     if geo[G_EP] > 1:
         charged = busiest_rank_active(acc, geo[G_L], geo[G_E], geo[G_EP])
-    ms = step_time(terms, charged, B, ctx)
+    ms = step_time(terms, charged, B + recompute, ctx)
     if ms < 0.01:
         ms = 0.01
     step_end[d] = t + ms / 1000.0
@@ -201,7 +246,6 @@ def advance(until, adm_d, adm_rid, adm_t, masks, req, reqf, wk, run, qbuf, step_
                 if req[R_NTOK, rid] >= req[R_MAX, rid]:
                     reqf[1, rid] = t
                     wk[W_INFLIGHT, d] -= 1
-                    wk[W_KV, d] -= req[R_CTX0, rid] + req[R_MAX, rid]
                 else:
                     run[d, k] = rid
                     k += 1
@@ -241,7 +285,7 @@ class DecodePool:
         rows = np.asarray(req_row, dtype=np.int64)
         self.masks, off = served_masks(replay, rows)
         st = replay.steps.astype(np.int64)[rows]
-        self.req = np.zeros((7, n), dtype=np.int64)
+        self.req = np.zeros((8, n), dtype=np.int64)
         self.req[R_OFF] = off
         self.req[R_CUR] = off
         self.req[R_ST] = np.maximum(st, 1)
@@ -258,7 +302,8 @@ class DecodePool:
         self.step_end = np.full(D, INF)
         self.terms = np.asarray(replay.cost.step_terms(replay.n_layers, replay.token_scale), dtype=np.float64)
         self.geo = np.array([replay.n_layers, replay.num_experts, replay.cost.ep_ranks,
-                             -1 if kv_capacity_tokens is None else int(kv_capacity_tokens)], dtype=np.int64)
+                             -1 if kv_capacity_tokens is None else int(kv_capacity_tokens) // KV_BLOCK_TOKENS],
+                            dtype=np.int64)
         self.acc = np.zeros(self.masks.shape[1], dtype=np.uint64)
         self.log = np.zeros((len(LOG_FIELDS), max(int(log_capacity), 4)))
         self.cnt = np.zeros(1, dtype=np.int64)
@@ -271,6 +316,11 @@ class DecodePool:
     def inflight(self) -> np.ndarray:
         """Requests admitted and not finished, per worker (the routing loads)."""
         return self.wk[W_INFLIGHT]
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted for KV so far (all workers)."""
+        return int(self.wk[W_PREEMPT].sum())
 
     @property
     def req_ntok(self) -> np.ndarray:
