@@ -106,7 +106,7 @@ def _emulate(replay, n: int, prompt: int, max_tokens: int, cap):
 
 
 def test_emulated_decode_worker_applies_the_same_rule():
-    def step_ms(rows, done, recompute=0):  # PER_TOKEN's step at L=2
+    def step_ms(rows, done, recompute):  # PER_TOKEN's step at L=2
         return 2 * (1 + 0.1 * (len(rows) + recompute)), 0
 
     replay = SimpleNamespace(cost=CONST, wraps=lambda row, m: False, decode_step_ms=step_ms)

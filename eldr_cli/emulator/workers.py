@@ -197,8 +197,7 @@ class DecodeWorker(Worker):
                     if r.recompute:
                         recompute += int(r.prompt_tokens) + r.ntok
                         r.recompute = False
-            ms, active = replay.decode_step_ms(rows, done, recompute) if recompute else \
-                replay.decode_step_ms(rows, done)
+            ms, active = replay.decode_step_ms(rows, done, recompute)
             ms = max(ms, 0.01)
             deadline = start + ms / 1e3
             last_deadline = deadline
