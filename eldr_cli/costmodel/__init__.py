@@ -14,7 +14,7 @@ Parameters come from ``eldr bench moe-layer`` (real torch timings on this CPU, l
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eldr_cli.errors import EldrError
@@ -34,7 +34,7 @@ class CostModel:
     top_k: int | None = None  # experts per token in the timed layer (scales the per-token MoE term)
     # a GPU deployment (roofline): tp, ep, dtype, gpus_per_instance, kv_capacity_tokens, ...; None for a
     # measured model (no memory limit: decoders are not KV-capped)
-    deployment: dict | None = None
+    deployment: dict | None = field(default=None, hash=False)
 
     @property
     def ep_ranks(self) -> int:
