@@ -15,7 +15,7 @@ from eldr_cli.errors import EldrError
 
 
 def test_reproduces_the_paper_fig2_ratio():
-    _, _, r = build(CALIBRATION["model"], device=CALIBRATION["device"])
+    _, _, r, _ = build(CALIBRATION["model"], device=CALIBRATION["device"])
     ratio = r.moe_layer_ms(64, 128) / r.moe_layer_ms(64, 16)
     assert ratio == pytest.approx(4.7, rel=0.10)
     # batch size at fixed active experts barely moves it (memory-bound)
@@ -25,7 +25,7 @@ def test_reproduces_the_paper_fig2_ratio():
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("device", list(DEVICES))
 def test_batch1_memory_time_is_weights_over_bandwidth(model, device):
-    _, _, r = build(model, device=device)
+    _, _, r, _ = build(model, device=device, tp=1, hbm_gb=1e5)  # one (hypothetical) GPU that holds it all
     cfg = MODELS[model]
     H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
     f = model_facts(cfg)
@@ -49,8 +49,8 @@ def test_known_parameter_counts():
 
 
 def test_kv_term_grows_with_context_and_fp8_halves_weights():
-    _, _, r = build("Qwen3-30B-A3B", device="H100-SXM")
-    _, _, r8 = build("Qwen3-30B-A3B", device="H100-SXM", dtype="fp8")
+    _, _, r, _ = build("Qwen3-30B-A3B", device="H100-SXM")
+    _, _, r8, _ = build("Qwen3-30B-A3B", device="H100-SXM", dtype="fp8")
     assert r.step_ms(400, [4096] * 32) > r.step_ms(400, [128] * 32)
     assert r8.weights_read_bytes(400) == pytest.approx(r.weights_read_bytes(400) / 2)
 
@@ -71,7 +71,7 @@ def test_cli_writes_a_cost_model_the_simulator_loads(tmp_path):
     cfg.write_text(json.dumps(MODELS["Mixtral-8x7B"]))
     out = tmp_path / "cm"
     r = subprocess.run([sys.executable, "-m", "eldr_cli", "bench", "cost-model", "--model", str(cfg),
-                        "--hbm-tbps", "3", "--tflops", "900", "--tp", "2", "--out", str(out)],
+                        "--hbm-tbps", "3", "--tflops", "900", "--hbm-gb", "80", "--tp", "2", "--out", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     cm = CostModel.load(out)
@@ -81,3 +81,109 @@ def test_cli_writes_a_cost_model_the_simulator_loads(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--tp 5" in bad.stderr + bad.stdout and "Traceback" not in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# -- sharding like vLLM (TP splits every expert, EP holds whole experts) and deployments that fit --------
+
+def _qwen3_30b_bytes():
+    """Hand count from Qwen3-30B-A3B's config.json: (dense params read per step, one expert's params)."""
+    H, L, heads, kvh, hd, E, I, V = 2048, 48, 32, 4, 128, 128, 768, 151936
+    attn = H * heads * hd + heads * hd * H + 2 * H * kvh * hd   # q, o, k, v
+    return L * (attn + H * E) + V * H, 3 * H * I               # + routers + LM head; gate, up, down
+
+
+def _maverick_bytes():
+    """Llama-4-Maverick: 48 layers, the odd ones MoE (24: 128 routed + 1 shared expert, top-1), the even
+    ones dense MLPs of 16384."""
+    H, L, heads, kvh, hd, E, I, I_mlp, V = 5120, 48, 40, 8, 128, 128, 8192, 16384, 202048
+    attn = 2 * H * heads * hd + 2 * H * kvh * hd
+    dense = L * attn + 24 * 3 * H * I_mlp + 24 * (3 * H * I + H * E) + V * H
+    return dense, 3 * H * I
+
+
+def test_qwen3_30b_bytes_per_gpu_at_tp1_tp8_and_ep8():
+    dense, expert = _qwen3_30b_bytes()
+    w = 2  # bf16
+    big = dict(device="H100-SXM", hbm_gb=1e4)
+    _, _, r1, _ = build("Qwen3-30B-A3B", tp=1, **big)
+    _, _, r8, _ = build("Qwen3-30B-A3B", tp=8, **big)
+    _, _, e8, _ = build("Qwen3-30B-A3B", tp=1, ep=8, **big)
+    A = 300  # charged experts summed over the 48 MoE layers
+    assert r1.weights_read_bytes(A) == pytest.approx(dense * w + A * expert * w, rel=1e-12)
+    # TP8: every GPU reads 1/8 of the dense weights and 1/8 of every active expert (FusedMoE splits each)
+    assert r8.weights_read_bytes(A) == pytest.approx((dense * w + A * expert * w) / 8, rel=1e-12)
+    # EP8 (DP8 attention): each GPU holds whole experts and all the dense weights; A is the busiest rank's
+    assert e8.weights_read_bytes(A) == pytest.approx(dense * w + A * expert * w, rel=1e-12)
+    assert e8.gpus == 8 and r8.gpus == 8 and r1.gpus == 1
+    # KV per token per GPU: 48 layers x (K, V) x 4 KV heads x 128 x 2 bytes; at TP8 each rank keeps one
+    # of the 4 heads (replicated, as vLLM does when TP > KV heads), not half a head
+    assert r1.kv_bytes_per_token_gpu == 48 * 2 * 4 * 128 * 2
+    assert r8.kv_bytes_per_token_gpu == 48 * 2 * 1 * 128 * 2
+    # the step terms charge exactly these bytes at the achieved bandwidth
+    bw_ms = 3.35e12 * r1.efficiency / 1e3
+    assert r8.step_terms()[1] == pytest.approx(expert * w / 8 / bw_ms, rel=1e-12)
+    assert e8.step_terms()[1] == pytest.approx(expert * w / bw_ms, rel=1e-12)
+    assert e8.step_terms()[4] == pytest.approx(48 * 2 * 4 * 128 * 2 / 8 / bw_ms, rel=1e-12)  # batch split DP8
+
+
+def test_maverick_bytes_per_gpu_at_tp1_tp8_and_ep8_fp8():
+    dense, expert = _maverick_bytes()
+    big = dict(device="H100-SXM", hbm_gb=1e4, dtype="fp8")
+    _, _, r1, _ = build("Llama-4-Maverick", tp=1, **big)
+    _, _, r8, _ = build("Llama-4-Maverick", tp=8, **big)
+    _, _, t8e8, _ = build("Llama-4-Maverick", tp=8, ep=8, **big)
+    A = 24  # batch 1, top-1: one expert per MoE layer
+    assert r1.weights_read_bytes(A) == pytest.approx(dense + A * expert, rel=1e-12)
+    assert r8.weights_read_bytes(A) == pytest.approx((dense + A * expert) / 8, rel=1e-12)
+    # TP8 + EP8: attention and dense weights split 8 ways, experts whole on their rank
+    assert t8e8.weights_read_bytes(A) == pytest.approx(dense / 8 + A * expert, rel=1e-12)
+    # resident: untied embedding too; all 128 x 24 experts split over 8 GPUs either way
+    embed = 202048 * 5120
+    assert r8.weights_resident_bytes() == pytest.approx((dense + embed + 128 * 24 * expert) / 8, rel=1e-12)
+    assert t8e8.weights_resident_bytes() == pytest.approx(r8.weights_resident_bytes(), rel=1e-12)
+    assert r8.kv_bytes_per_token_gpu == 48 * 2 * 1 * 128 * 2  # 8 KV heads over 8 ranks, KV in bf16
+
+
+def test_deployment_kv_capacity_and_the_smallest_tp_that_fits():
+    _, _, r, d = build("Qwen3-30B-A3B", device="H100-SXM")
+    assert (d.tp, d.ep, d.gpus_per_instance, d.tp_chosen) == (1, 1, 1, "auto")
+    free = 80e9 * 0.9 - r.weights_resident_bytes()
+    assert d.kv_capacity_tokens == int(free // (48 * 2 * 4 * 128 * 2))
+    assert 100_000 < d.kv_capacity_tokens < 120_000
+    assert 60 < d.weights_gb < 62  # ~61 GB in bf16
+    # Maverick: fp8 on H100 needs TP8 (~400 GB); bf16 (~800 GB) fits no TP that shards its 40 heads
+    _, _, _, mav = build("Llama-4-Maverick", device="H100-SXM", dtype="fp8")
+    assert (mav.tp, mav.gpus_per_instance) == (8, 8) and 390 < mav.weights_gb < 410
+    with pytest.raises(EldrError, match=r"bf16 does not fit TP8 EP1 on 8 x H100-SXM: weights 801\.4 GB \(100\.2 GB"):
+        build("Llama-4-Maverick", device="H100-SXM")
+    with pytest.raises(EldrError, match="does not fit TP1 EP1 on 1 x H100-SXM"):
+        build("Llama-4-Maverick", device="H100-SXM", dtype="fp8", tp=1)
+    # DeepSeek-V3 fp8 on H100 needs two nodes: TP16, said in the note
+    _, _, _, ds = build("DeepSeek-V3", device="H100-SXM", dtype="fp8")
+    assert ds.tp == 16 and "two 8-GPU nodes" in ds.note
+    # a larger minimum pool needs more GPUs
+    _, _, _, d2 = build("Qwen3-30B-A3B", device="H100-SXM", min_kv_tokens=200_000)
+    assert d2.tp == 2 and d2.kv_capacity_tokens >= 200_000
+    with pytest.raises(EldrError, match="--ep 8 must be a multiple of --tp 16|--tp 16 must divide"):
+        build("Qwen3-30B-A3B", device="H100-SXM", tp=16, ep=8)
+    with pytest.raises(EldrError, match="--hbm-gb"):
+        build("Qwen3-30B-A3B", hbm_tbps=3.0, tflops=900.0)
+
+
+def test_cost_model_artifact_carries_the_deployment(tmp_path):
+    from eldr_cli.costmodel.roofline import run_cost_model
+
+    run_cost_model(tmp_path / "cm", "Llama-4-Maverick", device="H100-SXM", dtype="fp8", ep=8)
+    cm = CostModel.load(tmp_path / "cm")
+    d = cm.deployment
+    assert d is not None and {k: d[k] for k in ("tp", "ep", "dtype", "gpus_per_instance")} == \
+        {"tp": 1, "ep": 8, "dtype": "fp8", "gpus_per_instance": 8}
+    assert d["kv_capacity_tokens"] > 65536 and cm.ep_ranks == 8
+    assert CostModel(a_ms=1.0, b_ms=1.0, c_ms=1.0).deployment is None  # a measured model: no cap
+    r = subprocess.run([sys.executable, "-m", "eldr_cli", "bench", "cost-model", "--model", "Llama-4-Maverick",
+                        "--device", "H100-SXM", "--tp", "8", "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True)
+    err = r.stderr + r.stdout
+    assert r.returncode == 2 and "Traceback" not in err and not (tmp_path / "bad").exists()
+    for size in ("801.4 GB", "100.2 GB per GPU", "80 GB HBM", "8 x H100-SXM", "bf16"):
+        assert size in err, size

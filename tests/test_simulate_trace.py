@@ -52,3 +52,26 @@ def test_cost_model_of_another_model_is_refused(imported, tmp_path):
     code = eldr(["bench", "simulate", "--trace", str(d / "t"), "--cost-model", str(tmp_path / "q"), "--routers",
                  "round-robin", "--rates", "5", "--duration", "5", "--out", str(tmp_path / "sim")])
     assert code == 2 and not (tmp_path / "sim").exists()
+
+
+def test_kv_capacity_of_the_cost_model_caps_the_simulated_decoders(imported, tmp_path):
+    """A deployment whose HBM leaves 100 KV tokens (6 blocks of 16): every running request holds at least
+    one block, so a decoder never runs more than 6 requests; without a cap it runs more."""
+    import polars as pl
+
+    from eldr_cli.costmodel.roofline import build
+
+    d = imported
+    _, _, r, _ = build(str(d / "config.json"), device="H100-SXM")
+    hbm_gb = (r.weights_resident_bytes() + 100.5 * r.kv_bytes_per_token_gpu) / 0.9 / 1e9
+    assert eldr(["bench", "cost-model", "--model", str(d / "config.json"), "--device", "H100-SXM", "--hbm-gb",
+                 repr(hbm_gb), "--min-kv-tokens", "64", "--out", str(tmp_path / "cm")]) == 0
+    assert Artifact(tmp_path / "cm").params["kv_capacity_tokens"] == 100
+    batches = {}
+    for name, cm in (("capped", tmp_path / "cm"), ("free", d / "cm")):
+        out = tmp_path / name
+        assert eldr(["bench", "simulate", "--trace", str(d / "t"), "--cost-model", str(cm), "--routers",
+                     "round-robin", "--rates", "3000", "--duration", "1", "--warmup", "0.2", "--max-tokens",
+                     "16", "--prefill", "2", "--decode", "1", "--out", str(out)]) == 0
+        batches[name] = pl.read_parquet(out / "steps.parquet")["batch"].max()
+    assert batches["capped"] <= 6 < batches["free"]

@@ -101,3 +101,22 @@ def test_measured_cost_model_ignores_context():
     _, b = _one_request_steps(cost, 20000)
     assert (a["step_ms"] == b["step_ms"]).all()
     assert cost.step_ms(10, 4, 3, context=[5000] * 3) == cost.step_ms(10, 4, 3)
+
+
+def test_expert_parallel_roofline_charges_the_busiest_rank_in_simulator_and_emulator(tmp_path):
+    """EP4 over 16 experts: the simulator's compiled step and the emulator's replay (TraceReplay) charge
+    the same busiest-rank count and give the same step time."""
+    from eldr_cli.bench.replay import charged_counts
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    run_cost_model(tmp_path / "cm", tmp_path / "config.json", device="H100-SXM", ep=4)
+    cost = CostModel.load(tmp_path / "cm")
+    assert cost.ep_ranks == 4 and cost.deployment is not None and cost.deployment["gpus_per_instance"] == 4
+    rp, log = _one_request_steps(cost, 300)
+    for j, (ms, act, ch) in enumerate(zip(log["step_ms"], log["active_experts"], log["charged_experts"],
+                                          strict=True)):
+        mask = rp.decode_masks[rp.step_index([0], [j])]
+        assert ch == charged_counts(mask, rp.n_layers, rp.num_experts, 4)[0] <= act
+        emu_ms, emu_act = rp.decode_step_ms([0], [j])
+        assert emu_act == act and emu_ms == pytest.approx(ms, rel=1e-12)
+    assert (log["charged_experts"] < log["active_experts"]).any()  # top-2 over 4 ranks: often one per rank

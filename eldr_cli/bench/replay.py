@@ -21,7 +21,8 @@ a measured cost model has no KV term.
 
 Active experts are bit sets: bit ``l * E + e`` of a row of uint64 words says expert ``e`` fired at
 layer ``l``; the union over a batch is a bitwise OR and its popcount is the sum over layers of
-distinct active experts -- exactly what :meth:`CostModel.step_ms` takes.
+distinct active experts -- what :meth:`CostModel.step_ms` takes. With expert parallelism
+(``cost.ep_ranks`` > 1) a step is charged the busiest rank's experts instead (:func:`charged_counts`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def _pack_picks(picks: np.ndarray, L: int, E: int) -> np.ndarray:
     return words.reshape(S, W)
 
 
+def charged_counts(masks: np.ndarray, n_layers: int, n_experts: int, ep: int) -> np.ndarray:
+    """int [N]: per row of bit sets uint64 [N, W], the experts a step pays for: the popcount (EP 1), or
+    summed over layers the max over ``ep`` contiguous ranks (rank r: experts [r*E/ep, (r+1)*E/ep)) of
+    the rank's active experts -- the numpy twin of ``simulator.core.busiest_rank_active``."""
+    m = np.atleast_2d(np.asarray(masks, dtype="<u8"))
+    if ep <= 1:
+        return np.bitwise_count(m).sum(axis=1).astype(np.int64)
+    bits = np.unpackbits(m.view(np.uint8), axis=1, bitorder="little")[:, :n_layers * n_experts]
+    per_rank = bits.reshape(len(m), n_layers, ep, n_experts // ep).sum(axis=3, dtype=np.int64)
+    return per_rank.max(axis=2).sum(axis=1)
+
+
 def prompt_of(body: dict, chat: bool) -> str:
     """The prompt text a request is matched by (chat: the last user message's text)."""
     if chat:
@@ -97,6 +110,7 @@ class TraceReplay:
         self.roofline = getattr(cost, "roofline", None)
         R, L, E = trace.prefill_counts.shape
         self.n_layers, self.num_experts = L, E
+        self.ep = cost.ep_ranks
         self.token_scale = cost.token_scale(trace.model.get("top_k"))
         steps = np.asarray(trace.decode_steps, dtype=np.int64)
         self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
@@ -163,12 +177,26 @@ class TraceReplay:
         u = np.bitwise_or.reduce(self.prefill_masks[np.asarray(rows, dtype=np.int64)], axis=0)
         return int(np.bitwise_count(u).sum())
 
-    def decode_step_ms(self, rows, tokens_done) -> tuple[float, int]:
-        a = self.decode_active(rows, tokens_done)
+    def charged(self, union: np.ndarray) -> int:
+        """Experts a step whose union bit set is ``union`` pays for (the busiest rank's under EP)."""
+        return int(charged_counts(union, self.n_layers, self.num_experts, self.ep)[0])
+
+    def decode_step_ms(self, rows, tokens_done, recompute_tokens: int = 0) -> tuple[float, int]:
+        """(step ms, distinct active experts summed over layers); the time charges :meth:`charged`.
+        ``recompute_tokens``: KV of preempted requests recomputed in this step (extra tokens of the step)."""
+        if len(rows) == 0:
+            a = c = 0
+        else:
+            u = np.bitwise_or.reduce(self.decode_masks[self.step_index(rows, tokens_done)], axis=0)
+            a = int(np.bitwise_count(u).sum())
+            c = a if self.ep <= 1 else self.charged(u)
+        tokens = len(rows) + recompute_tokens
         if self.roofline is not None:
+            from eldr_cli.costmodel.roofline import terms_ms
+
             ctx = self.prompt_tokens[np.asarray(rows, dtype=np.int64)] + np.asarray(tokens_done, dtype=np.int64)
-            return float(self.roofline.step_ms(a, ctx)), a
-        return self.cost.step_ms(a, self.n_layers, len(rows), self.token_scale), a
+            return float(terms_ms(self.roofline.step_terms(), c, tokens, float(ctx.sum()))), a
+        return self.cost.step_ms(c, self.n_layers, tokens, self.token_scale), a
 
     def wraps(self, row: int, max_tokens: int) -> bool:
         """Whether a request of ``max_tokens`` on ``row`` decodes past the row's captured steps."""
@@ -176,6 +204,8 @@ class TraceReplay:
 
     def prefill_step_ms(self, rows) -> tuple[float, int]:
         a = self.prefill_active(rows)
+        if self.ep > 1 and len(rows):
+            a = self.charged(np.bitwise_or.reduce(self.prefill_masks[np.asarray(rows, dtype=np.int64)], axis=0))
         tokens = int(self.prompt_tokens[np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
         if self.roofline is not None:
             # the roofline with the batch's prompt tokens as its tokens and no KV read (the linearisation

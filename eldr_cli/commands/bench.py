@@ -217,30 +217,43 @@ def cost_model_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="H100-SXM, H200, MI300X, A100-80GB, L40S, B200."),
     hbm_tbps: Optional[float] = typer.Option(None, "--hbm-tbps", help="HBM bandwidth (TB/s); overrides the device's."),
     tflops: Optional[float] = typer.Option(None, "--tflops", help="Peak dense BF16 TFLOP/s; overrides the device's."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: bf16, fp8, mxfp4."),
-    tp: int = typer.Option(1, "--tp", min=1), ep: int = typer.Option(1, "--ep", min=1),
+    hbm_gb: Optional[float] = typer.Option(None, "--hbm-gb", help="HBM per GPU (GB); overrides the device's."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Weight dtype: bf16, fp8, mxfp4 (KV cache: bf16)."),
+    tp: Optional[int] = typer.Option(None, "--tp", min=1, help="Tensor parallel GPUs per instance (default: the "
+                                     "smallest of 1, 2, 4, 8, 16 that holds weights + the minimum KV pool)."),
+    ep: int = typer.Option(1, "--ep", min=1, help="Expert parallel ranks per instance (vLLM: EP = TP x DP)."),
+    util: float = typer.Option(0.9, "--gpu-memory-utilization", min=0.01, max=1.0,
+                               help="Share of HBM for weights + KV (vLLM's flag of the same name)."),
+    min_kv_tokens: int = typer.Option(65536, "--min-kv-tokens", min=1,
+                                      help="Smallest KV pool (tokens per instance) a deployment must hold."),
     context: int = typer.Option(2048, "--context", min=0, help="Context length (tokens) of the KV term."),
     out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
     force: bool = FORCE,
 ) -> None:
     """A GPU decode-step cost model from first principles (roofline, not measured), calibrated once on the
-    paper's Fig. 2 (MI300X + Qwen3-30B-A3B: 16 -> 128 active experts = 4.7x)."""
+    paper's Fig. 2 (MI300X + Qwen3-30B-A3B: 16 -> 128 active experts = 4.7x); refuses a deployment whose
+    weights and minimum KV pool do not fit in HBM."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
     from eldr_cli.costmodel.roofline import build, run_cost_model
 
-    build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, dtype=dtype, tp=tp, ep=ep)  # validate first
+    kw: dict = dict(device=device, hbm_tbps=hbm_tbps, tflops=tflops, hbm_gb=hbm_gb, dtype=dtype, tp=tp, ep=ep,
+                    gpu_memory_utilization=util, min_kv_tokens=min_kv_tokens)
+    build(model, **kw)  # validate (and check the fit) before anything is written
     check_output(out, "cost-model", force=force or None)
     with replacing(out, force):
-        run_cost_model(out, model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, dtype=dtype, tp=tp, ep=ep,
-                       context=context)
+        run_cost_model(out, model, context=context, **kw)
     a = Artifact(out)
-    p, m, c = a.params, a.metrics, a.params["coefficients_ms"]
-    console.print(f"cost model (ROOFLINE, not measured): {p['model']} on {p['device']} {p['dtype']} TP{tp} EP{ep}; "
-                  f"per MoE layer {c['a']:.4f} + {c['b']:.4f}*active + {c['c']:.5f}*requests ms "
+    p, m, c, d = a.params, a.metrics, a.params["coefficients_ms"], a.params["deployment"]
+    console.print(f"cost model (ROOFLINE, not measured): {p['model']} on {p['device']} {p['dtype']} TP{p['tp']} "
+                  f"EP{p['ep']}; per MoE layer {c['a']:.4f} + {c['b']:.4f}*active + {c['c']:.5f}*requests ms "
                   f"(KV at {context} tokens); step at batch 1 {m['step_ms_batch1']:.2f} ms; "
                   f"Fig. 2 ratio {m['fig2_ratio_128_vs_16_batch64']:.2f}x")
+    console.print(f"deployment: {d['gpus_per_instance']} GPU(s) per instance (TP{d['tp']}"
+                  f"{' chosen: the smallest that fits' if d['tp_chosen'] == 'auto' else ''}), weights "
+                  f"{d['weights_gb_per_gpu']:.1f} GB per GPU of {d['hbm_gb_per_gpu']:g} GB, KV capacity "
+                  f"{d['kv_capacity_tokens']:,} tokens per instance" + (f"; {d['note']}" if d["note"] else ""))
     console.print(f"-> {out}")
 
 

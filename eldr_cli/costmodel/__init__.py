@@ -14,7 +14,7 @@ Parameters come from ``eldr bench moe-layer`` (real torch timings on this CPU, l
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eldr_cli.errors import EldrError
@@ -32,6 +32,19 @@ class CostModel:
     source: str = "measured"
     device: str = "cpu"
     top_k: int | None = None  # experts per token in the timed layer (scales the per-token MoE term)
+    # a GPU deployment (roofline): tp, ep, dtype, gpus_per_instance, kv_capacity_tokens, ...; None for a
+    # measured model (no memory limit: decoders are not KV-capped)
+    deployment: dict | None = field(default=None, hash=False)
+
+    @property
+    def ep_ranks(self) -> int:
+        """Expert-parallel ranks per instance: a step charges the busiest rank's experts when > 1."""
+        return 1
+
+    def spread_active(self, active_total: float) -> float:
+        """For estimates without the step's bit sets: the experts charged for a union of ``active_total``
+        spread evenly over the EP ranks (a lower bound on the busiest rank's); the union at EP 1."""
+        return active_total / self.ep_ranks
 
     def token_scale(self, top_k: int | None) -> float:
         """A token's expert compute grows with its top-k: a trace of a top-4 model on a cost model timed

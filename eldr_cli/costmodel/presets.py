@@ -1,7 +1,7 @@
 """Named model and device presets for the roofline cost model (`eldr bench cost-model`).
 
 Model facts are the public Hugging Face ``config.json`` values; device facts are the vendors' HBM
-bandwidth and peak *dense* BF16 tensor FLOP/s (no structured sparsity).
+bandwidth, peak *dense* BF16 tensor FLOP/s (no structured sparsity) and HBM capacity per GPU.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ MODELS: dict[str, dict] = {
                              vocab_size=202048, tie_word_embeddings=False),
 }
 
-# name -> (HBM TB/s, peak dense BF16 TFLOP/s)
-DEVICES: dict[str, tuple[float, float]] = {
-    "H100-SXM": (3.35, 989.0),
-    "H200": (4.8, 989.0),
-    "MI300X": (5.3, 1307.0),
-    "A100-80GB": (2.04, 312.0),
-    "L40S": (0.864, 362.0),
-    "B200": (8.0, 2250.0),
+# name -> (HBM TB/s, peak dense BF16 TFLOP/s, HBM GB per GPU); B200 as shipped in HGX/DGX B200 (180 GB)
+DEVICES: dict[str, tuple[float, float, float]] = {
+    "H100-SXM": (3.35, 989.0, 80.0),
+    "H200": (4.8, 989.0, 141.0),
+    "MI300X": (5.3, 1307.0, 192.0),
+    "A100-80GB": (2.04, 312.0, 80.0),
+    "L40S": (0.864, 362.0, 48.0),
+    "B200": (8.0, 2250.0, 180.0),
 }
 
 # bytes per weight; mxfp4 = 4-bit values + one 8-bit scale per 32
@@ -85,7 +85,7 @@ def model_config(spec: str | os.PathLike) -> tuple[str, dict]:
     return _lookup(MODELS, str(spec), "model preset")
 
 
-def device_facts(name: str) -> tuple[str, float, float]:
-    """(name, HBM TB/s, dense BF16 TFLOP/s)."""
-    hit, (bw, tf) = _lookup(DEVICES, name, "device")
-    return hit, bw, tf
+def device_facts(name: str) -> tuple[str, float, float, float]:
+    """(name, HBM TB/s, dense BF16 TFLOP/s, HBM GB per GPU)."""
+    hit, (bw, tf, gb) = _lookup(DEVICES, name, "device")
+    return hit, bw, tf, gb

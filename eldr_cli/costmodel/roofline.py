@@ -2,12 +2,25 @@
 
 A decode step of B running requests reads, once per step, from HBM:
   - the dense weights (attention, dense MLP layers, shared experts, routers, the LM head),
-  - the weights of every *distinct* routed expert the batch activates (summed over MoE layers),
+  - the weights of the routed experts the batch activates (summed over MoE layers),
   - the KV cache of every running request at its current context length;
 and it does 2 FLOPs per weight per token plus attention over the context. Its time is
 ``max(memory time, compute time) + n_layers * overhead``, memory time using one achieved-bandwidth
-efficiency factor. With tensor parallelism dense weights, KV and attention split TP ways; with expert
-parallelism the routed experts split EP ways (taken as evenly spread over ranks).
+efficiency factor. Everything is per GPU of one instance, sharded as vLLM shards it:
+
+  - tensor parallelism (TP ranks): each rank holds and reads 1/TP of the dense weights and, with
+    EP = 1, 1/TP of *every* expert (vLLM's FusedMoE splits each expert's intermediate dimension over
+    the TP ranks), so a step charges the union of active experts at 1/TP of an expert's bytes; KV heads
+    split TP ways, and when TP > KV heads each rank keeps one head (replicated, as vLLM does); an MLA
+    latent cache (DeepSeek) is replicated on every rank;
+  - expert parallelism (EP ranks, vLLM's ``--enable-expert-parallel``: EP = TP x DP, attention
+    data-parallel over DP = EP/TP groups): each rank holds whole experts, contiguous (rank r holds
+    experts [r*E/EP, (r+1)*E/EP) of every layer), and a layer waits for its busiest rank, so a step
+    charges, summed over MoE layers, the max over ranks of that rank's active experts (METRO's metric;
+    the simulator counts it from the step's expert bit sets), at one expert's full bytes. The batch and
+    its KV split evenly over the DP groups.
+
+Memory, the fit rule and the KV capacity in tokens are in :mod:`eldr_cli.costmodel.deployment`.
 
 The two free constants (bandwidth efficiency, per-layer overhead) are calibrated once, so that the
 MI300X + Qwen3-30B-A3B preset reproduces the ELDR paper's Fig. 2 figure: one MoE layer at batch 64
@@ -17,6 +30,7 @@ the efficiency is fixed at a stated value and the overhead solved from the ratio
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -26,6 +40,13 @@ from typing import Any, TypedDict
 import numpy as np
 
 from eldr_cli.costmodel import CostModel, write_cost_model
+from eldr_cli.costmodel.deployment import (
+    DEPLOYMENT_KEYS,
+    GPU_MEMORY_UTILIZATION,
+    MIN_KV_TOKENS,
+    Deployment,
+    plan,
+)
 from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, device_facts, model_config
 from eldr_cli.errors import EldrError
 
@@ -59,6 +80,8 @@ class ModelFacts:
     dense_params: int           # every non-routed weight read per step (incl. LM head)
     kv_elems_per_token_layer: int
     attn_dim: int               # heads * head dim (attention FLOPs per context token)
+    kv_heads: int = 0           # KV heads split over TP ranks; 0 = an MLA latent cache (every rank holds it)
+    embed_params: int = 0       # the input embedding table when untied (resident, only B rows read)
 
 
 def model_facts(cfg: dict) -> ModelFacts:
@@ -95,10 +118,12 @@ def model_facts(cfg: dict) -> ModelFacts:
         kv_elems, attn_dim = 2 * kvh * hd, heads * hd
     dense_mlp = 3 * H * I_d
     dense = L * attn + (L - moe_layers) * dense_mlp + moe_layers * (shared * 3 * H * I_s + H * E)
-    dense += int(g("vocab_size") or 0) * H  # LM head (the embedding lookup reads only B rows)
+    vocab = int(g("vocab_size") or 0)
+    dense += vocab * H  # LM head (the embedding lookup reads only B rows)
     return ModelFacts(n_layers=L, moe_layers=moe_layers, num_experts=int(E), top_k=int(k), hidden=H, heads=heads,
                       expert_params=3 * H * I_e, dense_params=dense, kv_elems_per_token_layer=kv_elems,
-                      attn_dim=attn_dim)
+                      attn_dim=attn_dim, kv_heads=0 if g("kv_lora_rank") else kvh,
+                      embed_params=0 if g("tie_word_embeddings") else vocab * H)
 
 
 @dataclass(frozen=True)
@@ -113,6 +138,15 @@ class Roofline:
     overhead_us: float = 0.0    # per layer per step
 
     @property
+    def dp(self) -> int:
+        """Attention data-parallel groups: EP = TP x DP under expert parallelism, else 1."""
+        return self.ep // self.tp if self.ep > 1 else 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp
+
+    @property
     def bytes_per_s(self) -> float:
         return self.hbm_tbps * 1e12 * self.efficiency
 
@@ -122,27 +156,55 @@ class Roofline:
 
     @property
     def expert_bytes(self) -> float:
+        """Bytes of one routed expert (all ranks together)."""
         return self.facts.expert_params * DTYPE_BYTES[self.dtype]
 
+    @property
+    def expert_read_bytes(self) -> float:
+        """Bytes one GPU reads per charged active expert: 1/TP of each (TP shards every expert), or the
+        whole expert on the rank that holds it (EP)."""
+        return self.expert_bytes / (self.tp if self.ep == 1 else 1)
+
+    @property
+    def kv_share(self) -> float:
+        """The fraction of a token's KV one TP rank holds: max(1, KV heads // TP) of the KV heads (vLLM
+        replicates a head when TP > KV heads); an MLA latent cache is replicated on every rank."""
+        h = self.facts.kv_heads
+        return 1.0 if h == 0 else max(1, h // self.tp) / h
+
+    @property
+    def kv_bytes_per_token_gpu(self) -> float:
+        """KV bytes one token of context takes on each GPU that holds it (all layers)."""
+        f = self.facts
+        return f.kv_elems_per_token_layer * f.n_layers * KV_BYTES * self.kv_share
+
+    def weights_resident_bytes(self) -> float:
+        """Weight bytes each GPU holds: dense (and embedding) 1/TP, experts 1/TP of all (EP = 1) or E/EP
+        whole experts per layer (EP)."""
+        f, w = self.facts, DTYPE_BYTES[self.dtype]
+        experts = f.num_experts * f.moe_layers * f.expert_params
+        return ((f.dense_params + f.embed_params) / self.tp + experts / (self.tp if self.ep == 1 else self.ep)) * w
+
     def weights_read_bytes(self, active_total: float) -> float:
-        """Weight bytes one GPU reads in a step whose MoE layers activate ``active_total`` experts in all."""
-        w = DTYPE_BYTES[self.dtype]
-        return self.facts.dense_params * w / self.tp + active_total * self.facts.expert_params * w / self.ep
+        """Weight bytes one GPU reads in a step charging ``active_total`` experts (summed over MoE layers:
+        the union with EP = 1, the busiest rank's with EP > 1)."""
+        return self.facts.dense_params * DTYPE_BYTES[self.dtype] / self.tp + active_total * self.expert_read_bytes
 
     def step_terms(self) -> tuple[float, ...]:
         """The step as a linear decomposition, all in ms: (const, kb, kt, m0, kv, kc, ka, has_roof) with
-        ``step = const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A distinct active experts summed
-        over MoE layers, B requests and C their summed context (tokens). The simulator's compiled loop
-        evaluates exactly this form; :meth:`memory_ms`, :meth:`compute_ms`, :meth:`step_ms` use it too."""
+        ``step = const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A charged active experts summed
+        over MoE layers (see :meth:`weights_read_bytes`), B requests and C their summed context (tokens),
+        per GPU. The simulator's compiled loop evaluates exactly this form; :meth:`memory_ms`,
+        :meth:`compute_ms`, :meth:`step_ms` use it too."""
         f, w = self.facts, DTYPE_BYTES[self.dtype]
         bw, fl = self.bytes_per_s / 1e3, self.flops_per_s / 1e3  # per ms
         return (f.n_layers * self.overhead_us / 1e3,
-                f.expert_params * w / self.ep / bw,
+                self.expert_read_bytes / bw,
                 0.0,
                 f.dense_params * w / self.tp / bw,
-                f.kv_elems_per_token_layer * f.n_layers * KV_BYTES / self.tp / bw,
-                2 * (f.dense_params / self.tp + f.top_k * f.moe_layers * f.expert_params / self.ep) / fl,
-                2 * f.attn_dim * f.n_layers / self.tp / fl,
+                self.kv_bytes_per_token_gpu / self.dp / bw,
+                2 * (f.dense_params / self.gpus + f.top_k * f.moe_layers * f.expert_params / self.gpus) / fl,
+                2 * f.attn_dim * f.n_layers / self.gpus / fl,
                 1.0)
 
     def memory_ms(self, active_total: float, context_tokens: float) -> float:
@@ -160,18 +222,16 @@ class Roofline:
 
     def moe_layer_ms(self, batch: int, active: int) -> float:
         """One MoE layer's expert computation alone (the quantity of the paper's Fig. 2)."""
-        mem = active * self.expert_bytes / self.ep / self.bytes_per_s
-        comp = 2 * batch * self.facts.top_k * self.facts.expert_params / self.ep / self.flops_per_s
+        mem = active * self.expert_read_bytes / self.bytes_per_s
+        comp = 2 * batch * self.facts.top_k * self.facts.expert_params / self.gpus / self.flops_per_s
         return (max(mem, comp) + self.overhead_us / 1e6) * 1e3
 
     def linear(self, context: int) -> CostModel:
         """Memory-bound linearisation in the simulator's form (per trace layer = per MoE layer):
         a = overhead and dense weights, b = one expert, c = one request's KV at ``context`` tokens."""
         f, L = self.facts, self.facts.moe_layers
-        dense_ms = f.dense_params * DTYPE_BYTES[self.dtype] / self.tp / self.bytes_per_s * 1e3
-        kv_ms = context * f.kv_elems_per_token_layer * f.n_layers * KV_BYTES / self.tp / self.bytes_per_s * 1e3
-        return CostModel(a_ms=(dense_ms + f.n_layers * self.overhead_us / 1e3) / L,
-                         b_ms=self.expert_bytes / self.ep / self.bytes_per_s * 1e3, c_ms=kv_ms / L,
+        _, kb, _, m0, kv, _, _, _ = self.step_terms()
+        return CostModel(a_ms=(m0 + f.n_layers * self.overhead_us / 1e3) / L, b_ms=kb, c_ms=context * kv / L,
                          source="roofline", device="", top_k=None)
 
 
@@ -206,6 +266,10 @@ class RooflineCostModel(CostModel):
     def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
         return self._terms
 
+    @property
+    def ep_ranks(self) -> int:
+        return self._roof().ep
+
     def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
                 context=None) -> float:
         c = 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
@@ -218,14 +282,17 @@ class RooflineCostModel(CostModel):
                      tp=int(p["tp"]), ep=int(p["ep"]), efficiency=float(p["bandwidth_efficiency"]),
                      overhead_us=float(p["overhead_us_per_layer"]))
         c = p["coefficients_ms"]
+        # artifacts written before deployments were checked carry no KV capacity: no deployment (no cap)
+        dep = {**p.get("deployment", {}), **{k: p[k] for k in DEPLOYMENT_KEYS}} \
+            if "kv_capacity_tokens" in p else None
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
-                   source="roofline", device=p.get("device", ""), top_k=p.get("top_k"), roofline=r,
-                   reference_context=int(p.get("reference_context", 0)))
+                   source="roofline", device=p.get("device", ""), top_k=p.get("top_k"), deployment=dep,
+                   roofline=r, reference_context=int(p.get("reference_context", 0)))
 
 
 def calibrate(efficiency: float = BANDWIDTH_EFFICIENCY) -> float:
     """Per-layer overhead (us) that makes MI300X + Qwen3-30B-A3B reproduce the Fig. 2 ratio."""
-    _, bw, tf = device_facts(CALIBRATION["device"])
+    _, bw, tf, _ = device_facts(CALIBRATION["device"])
     r = Roofline(model_facts(model_config(CALIBRATION["model"])[1]), bw, tf, efficiency=efficiency)
     b, (lo, hi), ratio = CALIBRATION["batch"], CALIBRATION["active"], CALIBRATION["ratio"]
     t_lo, t_hi = r.moe_layer_ms(b, lo) / 1e3, r.moe_layer_ms(b, hi) / 1e3
@@ -234,54 +301,69 @@ def calibrate(efficiency: float = BANDWIDTH_EFFICIENCY) -> float:
 
 
 def build(model: str | os.PathLike, *, device: str | None = None, hbm_tbps: float | None = None,
-          tflops: float | None = None, dtype: str = "bf16", tp: int = 1, ep: int = 1) -> tuple[str, str, Roofline]:
+          tflops: float | None = None, hbm_gb: float | None = None, dtype: str = "bf16", tp: int | None = None,
+          ep: int = 1, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+          min_kv_tokens: int = MIN_KV_TOKENS) -> tuple[str, str, Roofline, Deployment]:
+    """(model name, device label, roofline, deployment); refuses a deployment that does not fit, and picks
+    the smallest TP that does when ``tp`` is None (see :mod:`eldr_cli.costmodel.deployment`)."""
     if dtype not in DTYPE_BYTES:
         raise EldrError(f"unknown --dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
     name, cfg = model_config(model)
     facts = model_facts(cfg)
     if device:
-        dev, bw, tf = device_facts(device)
-        bw, tf = hbm_tbps or bw, tflops or tf
-    elif hbm_tbps and tflops:
-        dev, bw, tf = f"custom ({hbm_tbps} TB/s, {tflops} TFLOP/s)", hbm_tbps, tflops
+        dev, bw, tf, gb = device_facts(device)
+        bw, tf, gb = hbm_tbps or bw, tflops or tf, hbm_gb or gb
+    elif hbm_tbps and tflops and hbm_gb:
+        dev, bw, tf, gb = f"custom GPU ({hbm_tbps} TB/s, {tflops} TFLOP/s)", hbm_tbps, tflops, hbm_gb
     else:
-        raise EldrError("give --device NAME or both --hbm-tbps and --tflops")
+        raise EldrError("give --device NAME, or --hbm-tbps, --tflops and --hbm-gb (a custom GPU)")
     if min(bw, tf) <= 0:
         raise EldrError("--hbm-tbps and --tflops must be > 0")
-    if tp < 1 or facts.heads % tp:
-        raise EldrError(f"--tp {tp} must divide the model's {facts.heads} attention heads")
-    if ep < 1 or facts.num_experts % ep:
-        raise EldrError(f"--ep {ep} must divide the model's {facts.num_experts} experts")
-    return name, dev, Roofline(facts, bw, tf, dtype=dtype, tp=tp, ep=ep, overhead_us=calibrate())
+    overhead = calibrate()
+    r, d = plan(lambda t: Roofline(facts, bw, tf, dtype=dtype, tp=t, ep=ep, overhead_us=overhead), facts,
+                model=name, device=dev, tp=tp, ep=ep, hbm_gb=gb, util=gpu_memory_utilization,
+                min_kv_tokens=min_kv_tokens)
+    return name, dev, r, d
 
 
 def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: str | None = None,
-                   hbm_tbps: float | None = None, tflops: float | None = None, dtype: str = "bf16", tp: int = 1,
-                   ep: int = 1, context: int = 2048) -> Path:
-    """Write a `cost-model` artifact (source "roofline") usable by the simulator and the emulator."""
-    name, dev, r = build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, dtype=dtype, tp=tp, ep=ep)
+                   hbm_tbps: float | None = None, tflops: float | None = None, hbm_gb: float | None = None,
+                   dtype: str = "bf16", tp: int | None = None, ep: int = 1, context: int = 2048,
+                   gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+                   min_kv_tokens: int = MIN_KV_TOKENS) -> Path:
+    """Write a `cost-model` artifact (source "roofline") usable by the simulator and the emulator; its
+    params carry the deployment (``tp``, ``ep``, ``dtype``, ``gpus_per_instance``, ``kv_capacity_tokens``
+    and the rest under ``deployment``)."""
     if context < 0:
         raise EldrError("--context must be >= 0")
+    name, dev, r, d = build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, hbm_gb=hbm_gb, dtype=dtype,
+                            tp=tp, ep=ep, gpu_memory_utilization=gpu_memory_utilization,
+                            min_kv_tokens=min_kv_tokens)
     lin = r.linear(context)
     lin = CostModel(**{**lin.as_params(), "device": dev})
     f = r.facts
     b = CALIBRATION["batch"]
     lo, hi = CALIBRATION["active"]
+    def even(per_layer: int) -> float:  # with EP: the experts spread evenly over the ranks (a lower bound)
+        return math.ceil(per_layer / r.ep) * f.moe_layers
+
     metrics = {
         "fig2_ratio_128_vs_16_batch64": r.moe_layer_ms(b, hi) / r.moe_layer_ms(b, lo),
-        "step_ms_batch1": r.step_ms(f.top_k * f.moe_layers, [context]),
-        "step_ms_batch64_rr_like": r.step_ms(min(f.num_experts, 64 * f.top_k) * f.moe_layers, [context] * 64),
-        "weights_gb_per_gpu": r.weights_read_bytes(f.num_experts * f.moe_layers) / 1e9,
+        "step_ms_batch1": r.step_ms(even(f.top_k), [context]),
+        "step_ms_batch64_rr_like": r.step_ms(even(min(f.num_experts, 64 * f.top_k)), [context] * 64),
+        "weights_gb_per_gpu": d.weights_gb_per_gpu, "kv_capacity_tokens": d.kv_capacity_tokens,
     }
+    dep = d.as_params()
     return write_cost_model(out, lin, params={
-        "source_detail": "first-principles roofline, not measured", "model": name, "dtype": dtype, "tp": tp,
-        "ep": ep, "hbm_tbps": r.hbm_tbps, "tflops_bf16": r.tflops, "bandwidth_efficiency": r.efficiency,
+        "source_detail": "first-principles roofline, not measured", "model": name,
+        **{k: dep[k] for k in DEPLOYMENT_KEYS}, "deployment": dep,
+        "hbm_tbps": r.hbm_tbps, "tflops_bf16": r.tflops, "bandwidth_efficiency": r.efficiency,
         "overhead_us_per_layer": r.overhead_us, "reference_context": context,
-        "roofline": "step_ms = max(memory, compute) + n_layers*overhead; memory = (dense + distinct active "
-                    "experts' weights + every request's KV at its context) / (HBM bandwidth x efficiency)",
+        "roofline": "step_ms = max(memory, compute) + n_layers*overhead, per GPU; memory = (dense/TP + charged "
+                    "experts' weights (union at 1/TP each; with EP the busiest rank's, whole) + every request's "
+                    "KV at its context) / (HBM bandwidth x efficiency)",
         "calibration": {**CALIBRATION, "active": list(CALIBRATION["active"]),
                         "note": "efficiency fixed (assumption); per-layer overhead solved so the ratio holds"},
         "linearisation": "coefficients are the memory-bound form per MoE layer, KV at reference_context",
         "facts": asdict(f), "n_layers": f.moe_layers, "num_experts": f.num_experts},
         metrics=metrics)
-

@@ -13,12 +13,12 @@ import orjson
 from aiohttp import web
 
 from eldr_cli import openai_shapes as shapes
+from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS  # fake remote block ids: one per block of prompt
 from eldr_cli.emulator.workers import STEP_FIELDS, DecodeRequest, DecodeWorker, PrefillWorker, Worker
 from eldr_cli.handoff import SIGNATURE_KEY, encode_counts
 
 PREFILL_TEXT = " the"  # the one token a prefill leg answers with
 DECODE_TOKEN = " tok"  # every decoded token
-KV_BLOCK_TOKENS = 16  # fake remote block ids: one per 16 prompt tokens, as vLLM's default block size
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -81,6 +81,10 @@ class WorkerApp:
                  f"eldr_emulator_unmatched_prompts_total {w.unmatched}"]
         if isinstance(w, DecodeWorker):
             lines.append(f"eldr_emulator_wrapped_requests_total {w.wrapped}")
+            if w.kv_blocks:
+                lines += [f'vllm:kv_cache_usage_perc{{model_name="{w.model_name}"}} '
+                          f"{min(w.kv_used / w.kv_blocks, 1.0):.4f}",
+                          f'vllm:num_preemptions_total{{model_name="{w.model_name}"}} {w.preemptions}']
         if isinstance(w, DecodeWorker) and w.steps:
             late = np.array([s[4] for s in w.steps[-2000:]])
             lines += [f"eldr_emulator_decode_steps_total {len(w.steps)}",

@@ -13,6 +13,7 @@ from collections import deque
 import numpy as np
 
 from eldr_cli.bench.replay import TraceReplay, prefill_batch, prompt_of
+from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
 
 STEP_FIELDS = ("t_s", "batch", "active_experts", "step_ms", "late_ms")
 CATCH_UP_S = 0.05  # a step that ended up to 50 ms late is made up by the following steps
@@ -21,7 +22,7 @@ CATCH_UP_S = 0.05  # a step that ended up to 50 ms late is made up by the follow
 class DecodeRequest:
     """One request in a decode worker's batch; the worker puts ``last`` (bool) on ``queue`` per token."""
 
-    __slots__ = ("row", "max_tokens", "ntok", "queue", "matched", "prompt_tokens", "arrived")
+    __slots__ = ("row", "max_tokens", "ntok", "queue", "matched", "prompt_tokens", "arrived", "recompute")
 
     def __init__(self, row, max_tokens, matched, prompt_tokens):
         self.row = row
@@ -31,6 +32,7 @@ class DecodeRequest:
         self.matched = matched
         self.prompt_tokens = prompt_tokens
         self.arrived = time.perf_counter()
+        self.recompute = False  # preempted for KV: its next step recomputes prompt + generated tokens
 
 
 async def sleep_until(deadline: float) -> None:
@@ -115,9 +117,20 @@ class PrefillWorker(Worker):
 
 
 class DecodeWorker(Worker):
-    def __init__(self, *a, max_seqs: int = 256, **kw):
+    """A continuous batch under the simulator's scheduling rule (eldr_cli/simulator/core.py): at most
+    ``max_seqs`` running and, with a KV capacity (default: the cost model's deployment), vLLM's rule in
+    blocks of 16 tokens: preempt the latest admitted while the running requests' context + 1 does not
+    fit (it recomputes when admitted again), else admit from the FIFO queue's head while it fits."""
+
+    def __init__(self, *a, max_seqs: int = 256, kv_capacity_tokens: int | None = None, **kw):
         super().__init__("decode", *a, **kw)
         self.max_seqs = max_seqs
+        dep = getattr(self.replay.cost, "deployment", None) or {}
+        self.kv_capacity_tokens = kv_capacity_tokens if kv_capacity_tokens is not None else \
+            dep.get("kv_capacity_tokens")
+        self.kv_blocks = None if self.kv_capacity_tokens is None else int(self.kv_capacity_tokens) // KV_BLOCK_TOKENS
+        self.kv_used = 0  # blocks the running requests held in the last step
+        self.preemptions = 0
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
         self.steps: list[tuple] = []
@@ -126,6 +139,34 @@ class DecodeWorker(Worker):
 
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
+
+    @staticmethod
+    def _blocks(r: DecodeRequest) -> int:
+        """KV blocks during its next step: context + the token the step writes (``_blocks_for_step``)."""
+        return (int(r.prompt_tokens) + r.ntok + KV_BLOCK_TOKENS) // KV_BLOCK_TOKENS
+
+    def _schedule(self) -> None:
+        cap = self.kv_blocks
+        if cap is None:
+            while self.waiting and len(self.running) < self.max_seqs:
+                self.running.append(self.waiting.popleft())
+            return
+        used = sum(self._blocks(r) for r in self.running)
+        preempted = False
+        while used > cap and len(self.running) > 1:
+            r = self.running.pop()
+            used -= self._blocks(r)
+            r.recompute = True
+            self.waiting.appendleft(r)
+            self.preemptions += 1
+            preempted = True
+        while not preempted and self.waiting and len(self.running) < self.max_seqs:
+            need = self._blocks(self.waiting[0])
+            if self.running and used + need > cap:
+                break  # FIFO: the head waits for KV to free
+            self.running.append(self.waiting.popleft())
+            used += need
+        self.kv_used = used
 
     def submit(self, req: DecodeRequest) -> None:
         if self.replay.wraps(req.row, req.max_tokens):
@@ -137,8 +178,7 @@ class DecodeWorker(Worker):
         replay = self.replay
         last_deadline = None
         while True:
-            while self.waiting and len(self.running) < self.max_seqs:
-                self.running.append(self.waiting.popleft())
+            self._schedule()
             if not self.running:
                 last_deadline = None
                 self._wake.clear()
@@ -151,7 +191,13 @@ class DecodeWorker(Worker):
             run = self.running
             rows = np.fromiter((r.row for r in run), dtype=np.int64, count=len(run))
             done = np.fromiter((r.ntok for r in run), dtype=np.int64, count=len(run))
-            ms, active = replay.decode_step_ms(rows, done)
+            recompute = 0
+            if self.kv_blocks is not None:
+                for r in run:
+                    if r.recompute:
+                        recompute += int(r.prompt_tokens) + r.ntok
+                        r.recompute = False
+            ms, active = replay.decode_step_ms(rows, done, recompute)
             ms = max(ms, 0.01)
             deadline = start + ms / 1e3
             last_deadline = deadline

@@ -72,21 +72,23 @@ def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
 
 
 class _PrefillCost:
-    """``replay.prefill_step_ms`` for the event loop: the same union of prompt experts and the same
-    ``cost.step_ms``, compiled, with each row's own expert count computed once (most prefill steps
-    at these loads hold one request)."""
+    """``replay.prefill_step_ms`` for the event loop: the same charged prompt experts (union, or the
+    busiest EP rank's) and the same ``cost.step_ms``, compiled, with each row's own count computed once
+    (most prefill steps at these loads hold one request)."""
 
     def __init__(self, replay: TraceReplay):
+        from eldr_cli.bench.replay import charged_counts
         from eldr_cli.simulator.core import union_active
 
         self.replay, self.union = replay, union_active
-        self.single = np.bitwise_count(replay.prefill_masks).sum(axis=1).tolist()
+        self.geo = (replay.n_layers, replay.num_experts, replay.ep)
+        self.single = charged_counts(replay.prefill_masks, *self.geo).tolist()
         self.acc = np.zeros(replay.prefill_masks.shape[1], dtype=np.uint64)
 
     def __call__(self, rows: list[int], tokens: int) -> float:
         rp = self.replay
         a = self.single[rows[0]] if len(rows) == 1 else \
-            int(self.union(rp.prefill_masks, np.array(rows, dtype=np.int64), self.acc))
+            int(self.union(rp.prefill_masks, np.array(rows, dtype=np.int64), self.acc, *self.geo))
         return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
 
 
@@ -134,7 +136,8 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     from eldr_cli.simulator.core import DecodePool
 
     dec = DecodePool(replay, n_decode, req_row, np.full(n, max_tokens), measured, max_seqs=max_seqs,
-                     log_capacity=max(1 << 14, int(n * 8)))
+                     log_capacity=max(1 << 14, int(n * 8)),
+                     kv_capacity_tokens=(replay.cost.deployment or {}).get("kv_capacity_tokens"))
     ppool, chooser = _prefill_chooser(n_prefill)
     pq: list[deque] = [deque() for _ in range(n_prefill)]
     busy = [False] * n_prefill
@@ -209,7 +212,8 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     }
     # decode steps past a row's captured ones replay its steps again from the first (wrap)
     wrapped = int((replay.steps[req_row] < max_tokens).sum())
-    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped}
+    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped,
+             "kv_preemptions": dec.preemptions}
     facts.update(policy.facts())
     return cols, dec.step_log(), facts
 

@@ -58,7 +58,11 @@ def step_form(cost, n_layers: int) -> tuple[float, ...]:
     if cost is None:
         a, b, c = DEFAULT_STEP_TERMS_PER_LAYER
         return (n_layers * a, b, n_layers * c, 0.0, 0.0, 0.0, 0.0, 0.0)
-    return tuple(float(x) for x in cost.step_terms(n_layers, 1.0))
+    terms = [float(x) for x in cost.step_terms(n_layers, 1.0)]
+    # A_d is an expected union; with expert parallelism a step pays for the busiest rank's experts, taken
+    # here as the union spread evenly over the ranks (CostModel.spread_active; x 1 without EP)
+    terms[1] *= cost.spread_active(1.0)
+    return tuple(terms)
 
 
 class EldrLivePolicy(Policy):
