@@ -61,16 +61,18 @@ def eldr_invocations(line: str) -> list[list[str]]:
         tokens = shlex.split(line, comments=True)
     except ValueError:
         return []
-    calls, cur = [], None
+    calls, cur, first = [], None, True  # `eldr` only counts as a command name (not `redis-cli ... eldr ...`)
     for tok in tokens + [";"]:
         if tok in SEPARATORS:
             if cur is not None:
                 calls.append(cur)
-            cur = None
+            cur, first = None, True
         elif cur is not None:
             cur.append(tok)
-        elif tok == "eldr" or tok.endswith("/eldr"):
+        elif first and (tok == "eldr" or tok.endswith("/eldr")):
             cur = []
+        elif "=" not in tok and tok not in ("time", "nohup", "exec", "command"):  # prefixes keep the position
+            first = False
     return calls
 
 
