@@ -153,21 +153,25 @@ class ScaledArrivals:
         self._t = np.zeros(0)
         self._idx = np.zeros(0, dtype=np.int64)
 
-    def _extend(self) -> None:
-        rng = np.random.default_rng([self.seed, 0x5CA1ED, self._t.size // self.BLOCK])
-        gaps = rng.gamma(shape=self.burstiness, scale=1.0 / self.burstiness, size=self.BLOCK)
-        start = self._t[-1] if self._t.size else 0.0
-        passes = self.BLOCK // self.n_prompts + 1
-        order = np.concatenate([rng.permutation(self.n_prompts) for _ in range(passes)])[: self.BLOCK]
-        self._t = np.concatenate([self._t, start + np.cumsum(gaps)])
-        self._idx = np.concatenate([self._idx, order.astype(np.int64)])
+    def _extend(self, horizon: float) -> None:
+        """Draw blocks until the unit-rate process passes ``horizon``."""
+        ts, idx = [self._t], [self._idx]
+        end, b = (self._t[-1] if self._t.size else 0.0), self._t.size // self.BLOCK
+        while end < horizon:
+            rng = np.random.default_rng([self.seed, 0x5CA1ED, b])
+            t = end + np.cumsum(rng.gamma(shape=self.burstiness, scale=1.0 / self.burstiness, size=self.BLOCK))
+            passes = self.BLOCK // self.n_prompts + 1
+            idx.append(np.concatenate([rng.permutation(self.n_prompts) for _ in range(passes)])[: self.BLOCK])
+            ts.append(t)
+            end, b = float(t[-1]), b + 1
+        self._t, self._idx = np.concatenate(ts), np.concatenate(idx).astype(np.int64)
 
     def schedule(self, rate: float, *, duration_s: float, warmup_s: float = 0.0) -> Schedule:
         if rate <= 0 or duration_s <= 0 or warmup_s < 0:
             raise EldrError("rate and duration must be > 0 and warmup >= 0")
         horizon = (warmup_s + duration_s) * rate  # in unit-rate time
-        while not self._t.size or self._t[-1] < horizon:
-            self._extend()
+        if not self._t.size or self._t[-1] < horizon:
+            self._extend(horizon)
         n = int(np.searchsorted(self._t, horizon, side="left"))
         t = self._t[:n] / rate
         return Schedule(rate=float(rate), offsets=t, prompt_index=self._idx[:n].copy(), warmup=t < warmup_s,

@@ -223,7 +223,7 @@ def decode_rate_bound(replay, n_decode: int, max_tokens: int, tpot_ms: float, ma
     return best
 
 
-def default_prefill(prefill_ms: float, rate_bound: float, utilisation: float = 0.35) -> int:
+def default_prefill(prefill_ms: float, rate_bound: float, n_decode: int, utilisation: float = 0.35) -> int:
     """Prefill workers that are at most ``utilisation`` busy (one prompt per step, no batching gains) at the
-    decoders' best possible rate: enough that TTFT is not what limits capacity."""
-    return max(1, math.ceil(rate_bound * prefill_ms / 1000.0 / utilisation))
+    decoders' best possible rate: enough that TTFT is not what limits capacity; at most 16 per decoder."""
+    return max(1, min(16 * n_decode, math.ceil(rate_bound * prefill_ms / 1000.0 / utilisation)))

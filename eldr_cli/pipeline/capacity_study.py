@@ -12,14 +12,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline.capacity import LOAD_BALANCERS, SLO, Capacity, find_capacity
 
+if TYPE_CHECKING:
+    from eldr_cli.bench.replay import TraceReplay
+
 LOAD_POINTS_PCT = (25, 50, 75, 100)
 MIN_REQUESTS = 300
+MIN_WARMUP_REQUESTS = 100
+MAX_WARMUP_REQUESTS = 2000
 METRICS = ("tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p90_ms", "active_experts",
            "decode_batch")
 
@@ -28,11 +34,11 @@ METRICS = ("tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p90
 class SimSetup:
     """What every run shares: the trace replay, the served rows, the routing objects and the topology."""
 
-    replay: object
+    replay: TraceReplay
     items: list
     rows: np.ndarray
-    model: object | None
-    oracle: object | None
+    model: Any
+    oracle: Any
     n_prefill: int
     n_decode: int
     max_tokens: int
@@ -43,8 +49,10 @@ class SimSetup:
     sim_s: float = 0.0
 
     def window(self, rate: float) -> tuple[float, float]:
-        """(warm-up, measured) seconds at ``rate``: the measured window holds at least MIN_REQUESTS."""
-        return self.warmup_s, max(self.duration_s, MIN_REQUESTS / rate)
+        """(warm-up, measured) seconds at ``rate``: the warm-up holds MIN_WARMUP_REQUESTS to MAX_WARMUP_REQUESTS
+        (a loose TPOT target must not make it hours long), the measured window at least MIN_REQUESTS."""
+        warm = min(self.warmup_s, MAX_WARMUP_REQUESTS / rate)
+        return max(warm, MIN_WARMUP_REQUESTS / rate), max(self.duration_s, MIN_REQUESTS / rate)
 
 
 def run_metrics(cols: dict, steps: dict, n_layers: int) -> dict:
@@ -106,13 +114,16 @@ def run_study(setup: SimSetup, routers: list[str], seeds: list[int], slo: SLO, s
     for s in seeds:
         for r in routers:
             say(f"capacity: {r}, seed {s}")
-            capacity[r].append(find_capacity(
-                lambda rate, r=r, s=s: slo.check(measure(setup, arrivals[s], r, rate, s)), start_rps))
+
+            def check(rate: float, r: str = r, s: int = s) -> tuple[bool, str | None]:
+                return slo.check(measure(setup, arrivals[s], r, rate, s))
+
+            capacity[r].append(find_capacity(check, start_rps))
     best = best_load_balancer(capacity)
     status = study_status(capacity)
     base = float(np.mean([c.rate for c in capacity[best]]))
     by_load: list[dict] = []
-    if base > 0:
+    if status == "ok" and base > 0:  # "above": the capacities are lower bounds, their fractions mean nothing
         for pct in LOAD_POINTS_PCT:
             rate = base * pct / 100.0
             for r in routers:

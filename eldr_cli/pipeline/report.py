@@ -111,14 +111,15 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
     ctx = float(np.median(replay.prompt_tokens[rows])) + max_tokens / 2.0
     bound = decode_rate_bound(replay, n_decode, max_tokens, slo.tpot_p90_ms, context=ctx)
     _, prefill_ms = typical_steps_ms(replay, rows, max_tokens)
-    n_prefill = prefill or default_prefill(prefill_ms, bound)
+    n_prefill = prefill or default_prefill(prefill_ms, bound, n_decode)
     if prefill is None:
         notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
-                     "decoders' estimated best rate under the TPOT target), so TTFT does not limit capacity")
+                     "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so TTFT does not "
+                     "limit capacity")
     oracle = OracleModel(np.asarray(tr.decode_counts), rows, n_decode, seed=seed, tau=model.tau,
                          signature=model.signature)
     # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
-    warmup = max(5.0, 2.0 * max_tokens * slo.tpot_p90_ms / 1e3)
+    warmup = 2.0 * max_tokens * slo.tpot_p90_ms / 1e3
     setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens, duration_s, warmup)
     return setup, slo, bound
 
