@@ -72,8 +72,12 @@ def decision(doc: dict) -> str:
 
     v = doc["verdict"]
     r = headline_router(list(v["capacity_rps"]))
-    if v["status"] != "ok" or r is None:
-        return "No decision: see below."
+    if v["status"] == "none":
+        return "No decision: no router meets this SLO at any rate tried."
+    if v["status"] == "above":
+        return "No decision: every router meets this SLO at the highest rate tried."
+    if r is None:
+        return "No decision: no router other than load balancers and the oracle was compared."
     g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
     if g is None or g.lo is None or g.hi is None:
         return "No decision: capacity gain not measurable."
