@@ -54,19 +54,21 @@ def print_table(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="bench-report (SIMULATED): eldr vs the best load balancer, %, 95% CI")
-    for c in ("workload", "best LB req/s", "capacity", "TPOT p50@75%", "runs", "wall s", "load"):
-        t.add_column(c)
+    t = Table(title="bench-report (SIMULATED): eldr vs the best load balancer (LB)")
+    for c in ("workload", "LB req/s", "capacity %", "TPOT@75% %", "wall s", "load"):
+        t.add_column(c, no_wrap=True)
     for r in res["runs"]:
         v = r["verdict"]
         best = v["best_load_balancer"]
         ch = next((c["tpot_p50_pct"] for c in v["change_vs_best_lb_by_load"]
                    if c["router"] == "eldr" and c["load_pct"] == 75), None)
         t.add_row("tiny model" if "tiny" in r["workload"] else "generated",
-                  f"{best} {v['capacity_rps'][best]['mean']:.3g}", _ci(v["capacity_gain_vs_best_lb_pct"].get("eldr")),
-                  _ci(ch), str(r["simulated_runs"]), f"{r['report_wall_s']:.1f}",
+                  f"{v['capacity_rps'][best]['mean']:.3g}", _ci(v["capacity_gain_vs_best_lb_pct"].get("eldr")),
+                  _ci(ch), f"{r['report_wall_s']:.1f}",
                   f"{r['load_avg_1min_at_start']:.1f}")
     Console(width=80).print(t)
+    for r in res["runs"]:
+        print(f"best load balancer: {r['verdict']['best_load_balancer']}; [95% CI over seeds, paired]")
 
 
 def main(argv=None) -> int:
@@ -103,8 +105,9 @@ def main(argv=None) -> int:
     print_table(res)
     for r in res["runs"]:
         print(f"{r['workload']}: {r['topology']}, {r['seeds']} seeds, {len(r['routers'])} routers, "
-              f"{r['simulated_runs']} simulated runs ({r['simulate_s']:.0f} s of them); wall {r['report_wall_s']:.0f} s "
-              f"at load {r['load_avg_1min_at_start']:.1f}-{r['load_avg_1min_at_end']:.1f}")
+              f"{r['simulated_runs']} simulated runs ({r['simulate_s']:.0f} s of them); "
+              f"wall {r['report_wall_s']:.0f} s at load {r['load_avg_1min_at_start']:.1f}-"
+              f"{r['load_avg_1min_at_end']:.1f}")
     if "tiny_error" in res:
         print(res["tiny_error"])
     print(f"-> {out}")

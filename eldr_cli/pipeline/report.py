@@ -237,7 +237,8 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
                           "min_window_s": duration_s, "start_rps": round(start, 4), "runs": study["runs"],
                           "simulate_s": round(study["sim_s"], 2), "rates_tried_rps": [round(x, 4) for x in tried]},
             "capacity": {r: [{"seed": s, "rate_rps": round(c.rate, 4), "status": c.status, "binding": c.binding,
-                              "probes": len(c.probes)} for s, c in zip(seed_list, cs, strict=True)]
+                              "bracket_rps": [c.lo, c.hi], "probes": len(c.probes)}
+                             for s, c in zip(seed_list, cs, strict=True)]
                          for r, cs in study["capacity"].items()},
             "by_load_runs": study["by_load"], "fit": _fit_facts(routing), "notes": notes}
 
