@@ -59,6 +59,14 @@ def report_cmd(
                        seeds=seeds, slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration,
                        max_tokens=max_tokens, split=split, seed=seed, progress=step)
         bar.advance(task)
+    from eldr_cli.console import table
+    from eldr_cli.pipeline.report_render import capacity_table
+
+    _, head, rows = capacity_table(v)
+    t = table(*head, title="capacity at SLO -- SIMULATED, mean [95% interval]")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
     console.print(v["text"])
     console.print(f"report -> {out / 'report.html'}  (also report.md, report.json)")
 

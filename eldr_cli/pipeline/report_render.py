@@ -87,14 +87,24 @@ def decision(doc: dict) -> str:
             f"Do not deploy {r} for this workload and SLO: it carries less traffic than {v['best_load_balancer']}.")
 
 
-def _capacity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
-    head = ["router", "capacity (req/s)", "vs best load balancer", "binding SLO"]
+def capacity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
+    """Per router: capacity (req/s) [95% interval], the paired change vs the best load balancer, the SLO that
+    failed first above it. Fits 80 columns in a terminal."""
+    head = ["router", "capacity req/s", "vs best LB, %", "binding"]
     rows = []
     for r, c in v["capacity_rps"].items():
-        kind = " (load balancer)" if r in LOAD_BALANCERS else (" (limit)" if r == "oracle" else "")
-        vs = ("best" if r == v["best_load_balancer"] else
-              fmt_change(_iv(v["capacity_gain_vs_best_lb_pct"].get(r))) if r not in LOAD_BALANCERS else "-")
-        rows.append([r + kind, fmt_value(_iv(c), "req/s"), vs, (v["binding_slo"].get(r) or "-").upper()])
+        kind = " (LB)" if r in LOAD_BALANCERS else (" (limit)" if r == "oracle" else "")
+        g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
+        if r == v["best_load_balancer"]:
+            vs = "best LB"
+        elif g is None:
+            vs = "-"
+        elif g.lo is None or g.hi is None:
+            vs = f"{g.mean:+.1f} (one seed)"
+        else:
+            vs = "no measurable difference" if g.spans_zero else f"{g.mean:+.1f} [{g.lo:+.1f}, {g.hi:+.1f}]"
+        rows.append([r + kind, fmt_value(_iv(c), "").replace("  [", " ["), vs,
+                     (v["binding_slo"].get(r) or "-").upper()])
     return "capacity", head, rows
 
 
@@ -161,7 +171,7 @@ def sections(doc: dict) -> list[Section]:
                                                   f"{v['best_load_balancer']}'s capacity; lines are means over "
                                                   "seeds, bands their 95% intervals."],
                    figures=[f for f in figs if f.startswith("tpot_vs_load")]),
-           Section("Capacity at SLO", "SIMULATED", tables=[_capacity_table(v)]),
+           Section("Capacity at SLO", "SIMULATED", tables=[capacity_table(v)]),
            Section("Load regimes", "SIMULATED", ["Mean [95% interval] over seeds; changes are paired per seed."],
                    tables=_load_tables(v)),
            Section("Deployment and method", "", tables=[("facts", ["", ""], _facts(doc))])]
