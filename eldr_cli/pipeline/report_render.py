@@ -203,7 +203,7 @@ def render_md(doc: dict) -> str:
         lines += [f"## {s.title}" + (f" -- {s.label}" if s.label else ""), ""]
         if s.title == "Decision":
             lines += [f"**{s.paragraphs[0]}** {s.paragraphs[1]}", ""]
-            lines += [f"- {a}: **{b}** {c}" for a, b, c in headline(doc)] + [""]
+            lines += [f"- {a}: **{b}**" + (f" ({c})" if c else "") for a, b, c in headline(doc)] + [""]
         else:
             lines += [p + "\n" for p in s.paragraphs]
         for tid, head, rows in s.tables:
@@ -212,7 +212,7 @@ def render_md(doc: dict) -> str:
                 continue
             lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
-        lines += [f"- {f} (embedded in report.html)" for f in s.figures]
+        lines += [f"- {f} (embedded in report.html)" for f in s.figures] + ([""] if s.figures else [])
     return "\n".join(lines).rstrip() + "\n"
 
 
