@@ -162,14 +162,21 @@ def _fit_text(doc: dict) -> str:
     return "; ".join(parts) + "." if parts else ""
 
 
+def _load_intro(v: dict) -> str:
+    if not v["by_load"]:
+        return ("No load points: " + ("no router has a capacity at this SLO." if v["status"] == "none" else
+                                      "the capacities are lower bounds (every router met the SLO at the highest "
+                                      "rate tried)."))
+    return (f"Every router at 25, 50, 75 and 100% of {v['best_load_balancer']}'s capacity; lines are means over "
+            "seeds, bands their 95% intervals.")
+
+
 def sections(doc: dict) -> list[Section]:
     from eldr_cli.pipeline.replay import replay_rows
 
     v, figs = doc["verdict"], list(doc["figures"])
     out = [Section("Decision", "", [decision(doc), v["text"]]),  # the text says SIMULATED itself
-           Section("TPOT vs load", "SIMULATED", [f"Every router at 25, 50, 75 and 100% of "
-                                                  f"{v['best_load_balancer']}'s capacity; lines are means over "
-                                                  "seeds, bands their 95% intervals."],
+           Section("TPOT vs load", "SIMULATED", [_load_intro(v)],
                    figures=[f for f in figs if f.startswith("tpot_vs_load")]),
            Section("Capacity at SLO", "SIMULATED", tables=[capacity_table(v)]),
            Section("Load regimes", "SIMULATED", ["Mean [95% interval] over seeds; changes are paired per seed."],
