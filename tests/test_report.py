@@ -178,3 +178,19 @@ def test_report_html_renders_in_chromium_with_the_headline_visible(report, tmp_p
     top = img.crop((0, 0, img.width, 600))  # the decision and the headline card
     lo, hi = top.getextrema()
     assert hi - lo > 100 and sum(1 for n in top.histogram() if n) > 20  # painted text, not a blank page
+
+
+def test_capacity_search_finds_the_threshold_of_a_synthetic_linear_cost_model(inputs, tmp_path):
+    """Decode step = L (a + c B) ms for B running requests. Little's law (B = lambda/D * max_tokens * TPOT per
+    decoder) gives mean TPOT = L a / (1 - L c lambda/D m), so the mean meets a target S up to
+    lambda* = D (1 - L a / S) / (L c m). TPOT p90 is a little above the mean: the capacity is just below."""
+    from eldr_cli.pipeline.report import run_report
+
+    a_ms, c_ms, L, m, D, S = 0.1, 0.02, 8, 16, 2, 4.0  # the trace's median decode steps are 16
+    write_cost_model(tmp_path / "lin", CostModel(a_ms=a_ms, b_ms=0.0, c_ms=c_ms, source="measured", device="test"))
+    v = run_report(inputs / "t", tmp_path / "r", cost_model=tmp_path / "lin", routers=["round-robin"], decode=D,
+                   prefill=16, seeds=1, slo_tpot_ms=S, slo_ttft_ms=1e6, duration_s=2.0)
+    threshold = D * (1 - L * a_ms / S) / (L * c_ms * 1e-3 * m)
+    cap = v["capacity_rps"]["round-robin"]["mean"]
+    assert 0.75 * threshold <= cap <= threshold
+    assert v["binding_slo"]["round-robin"] == "tpot" and v["tpot_p50_change_vs_best_lb_pct"] is None
