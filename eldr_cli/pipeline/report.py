@@ -114,14 +114,14 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
     n_prefill = prefill or default_prefill(prefill_ms, bound, n_decode)
     if prefill is None:
         notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
-                     "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so TTFT does not "
-                     "limit capacity")
+                     "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so that TTFT "
+                     "does not limit capacity")
     oracle = OracleModel(np.asarray(tr.decode_counts), rows, n_decode, seed=seed, tau=model.tau,
                          signature=model.signature)
     # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
     warmup = 2.0 * max_tokens * slo.tpot_p90_ms / 1e3
     setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens, duration_s, warmup)
-    return setup, slo, bound
+    return setup, slo, bound, prefill_ms
 
 
 def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=None, routers=None,
@@ -210,18 +210,17 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
                         duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes, work, step) -> dict:
     """The capacity study and its verdict: the report document without replay and figures."""
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.pipeline.capacity_study import run_study
     from eldr_cli.pipeline.capacity_verdict import build_verdict, deployment_facts, tpot_figure, verdict_text
 
     cost = CostModel.load(cost_model)
-    setup, slo, bound = _setup(trace, tr, routing, cost_model, cost, split, n_decode, max_tokens, duration_s,
-                               seed, slo_tpot_ms, slo_ttft_ms, prefill, notes)
+    setup, slo, bound, prefill_ms = _setup(trace, tr, routing, cost_model, cost, split, n_decode, max_tokens,
+                                           duration_s, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes)
     if slo.how != "given":
         notes.append(f"SLO: {slo.how}")
     step("simulate")
     seed_list = [seed + i for i in range(seeds)]
     start = bound / 2.0
-    study = run_study(setup, names, seed_list, slo, start)
+    study = _study(setup, names, seed_list, slo, start, prefill_ms if prefill is None else None, notes)
     v = build_verdict(study, slo, seed_list, deployment_facts(cost))
     tried = (start / 2 ** 10, start * 2 ** 5)
     v["text"] = verdict_text(v, cost_label, setup.n_prefill, n_decode, tried)
@@ -241,6 +240,28 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
                              for s, c in zip(seed_list, cs, strict=True)]
                          for r, cs in study["capacity"].items()},
             "by_load_runs": study["by_load"], "fit": _fit_facts(routing), "notes": notes}
+
+
+def _study(setup, names: list[str], seeds: list[int], slo, start: float, prefill_ms: float | None,
+           notes: list[str]) -> dict:
+    """The capacity study; with a defaulted prefill pool (``prefill_ms`` given), redone with more prefill
+    workers (sized for twice the highest capacity found) while TTFT is what limits some router's capacity."""
+    from eldr_cli.pipeline.capacity import default_prefill
+    from eldr_cli.pipeline.capacity_study import run_study
+
+    for _ in range(3):
+        study = run_study(setup, names, seeds, slo, start)
+        ttft = [r for r, cs in study["capacity"].items() if [c.binding for c in cs].count("ttft") * 2 > len(cs)]
+        if prefill_ms is None or not ttft:
+            break
+        top = max(c.rate for cs in study["capacity"].values() for c in cs)
+        more = default_prefill(prefill_ms, 2.0 * top, setup.n_decode)
+        if more <= setup.n_prefill:
+            break
+        notes.append(f"TTFT limited the capacity of {', '.join(ttft)} with {setup.n_prefill} prefill workers: "
+                     f"redone with {more} (at most 35% busy at {2 * top:.3g} req/s)")
+        setup.n_prefill = more
+    return study
 
 
 def _write(doc: dict, out: Path, work: Path, trace, routing: Path, t0: float) -> None:
