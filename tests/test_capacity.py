@@ -131,3 +131,28 @@ def test_verdict_words_when_the_slo_is_out_of_reach_or_too_loose():
     v["status"] = "above"
     assert "Every router meets this SLO at the highest rate tried (100 req/s)" in verdict_text(v, "cm", 1, 2,
                                                                                                 (0.01, 100.0))
+
+
+def test_a_defaulted_prefill_pool_that_lets_ttft_bind_is_resized_and_the_search_redone(monkeypatch):
+    from types import SimpleNamespace
+
+    import eldr_cli.pipeline.capacity_study as cs
+    from eldr_cli.pipeline.report import _study
+
+    calls = []
+
+    def fake_study(setup, names, seeds, slo, start):
+        calls.append(setup.n_prefill)
+        bind = "ttft" if setup.n_prefill < 20 else "tpot"
+        return {"capacity": {r: [Capacity(50.0, "found", 50.0, 50.5, bind) for _ in seeds] for r in names}}
+
+    monkeypatch.setattr(cs, "run_study", fake_study)
+    setup, notes = SimpleNamespace(n_prefill=10, n_decode=8), []
+    study = _study(setup, ["jsq", "eldr"], [0, 1], SLO(80.0, 590.0), 10.0, 100.0, notes)
+    # 100 ms prefills at 2 x 50 req/s, at most 35% busy: 29 workers; then TPOT binds and the search stops
+    assert calls == [10, 29] and setup.n_prefill == 29 and "redone with 29" in notes[0]
+    assert study["capacity"]["jsq"][0].binding == "tpot"
+    calls.clear()
+    setup, notes = SimpleNamespace(n_prefill=10, n_decode=8), []
+    _study(setup, ["jsq"], [0], SLO(80.0, 590.0), 10.0, None, notes)  # --prefill given: never resized
+    assert calls == [10] and not notes
