@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing.policies import POLICIES
 
 
 @dataclass
@@ -22,6 +22,7 @@ class ProxyConfig:
     decode: list[str] = field(default_factory=list)
     routing: str | None = None          # routing (or fit) artifact dir; needed by eldr and domain
     policy: str = "eldr"
+    cost_model: str | None = None       # the step cost model eldr-live predicts with (None: relative default)
     tau: float | None = None            # None -> the tau stored in the routing artifact
     seed: int = 0                       # for random / p2c
     host: str = "127.0.0.1"
@@ -70,7 +71,7 @@ class ProxyConfig:
         from eldr_cli.proxy.sharedstate import parse_state_url
 
         self.state = parse_state_url(self.state)
-        if self.policy in ("eldr", "domain") and not self.routing:
+        if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None and not (0.0 <= self.tau <= 2.0):
             raise EldrError(f"tau must be in [0, 2], got {self.tau}")
