@@ -29,8 +29,9 @@ def report_cmd(
     prefill: Optional[int] = typer.Option(None, "--prefill", min=1, help="Prefill workers (default: enough that "
                                           "TTFT does not limit capacity)."),
     decode: Optional[int] = typer.Option(None, "--decode", min=1, help="Decode workers (default 4, or the fit's K)."),
-    duration: float = typer.Option(20.0, "--duration", min=1.0, help="Shortest measured window per simulated "
-                                   "run (s); each run also measures at least 300 requests."),
+    duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Shortest measured window per "
+                                             "simulated run (s); default: 3 request lifetimes at the TPOT "
+                                             "target. Each run also measures at least 300 requests."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
                                              help="Decode tokens per request (default: the trace's median steps)."),
     split: str = split_option("evaluation", help="Trace rows to serve (falls back to all when absent)."),
@@ -56,7 +57,7 @@ def report_cmd(
 
         names = [r.strip() for r in routers.split(",") if r.strip()] if routers else None
         v = run_report(trace, out, fit=fit, cost_model=cost_model, prefill=prefill, decode=decode, routers=names,
-                       seeds=seeds, slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration,
+                       seeds=seeds, slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration or 0.0,
                        max_tokens=max_tokens, split=split, seed=seed, progress=step)
         bar.advance(task)
     from eldr_cli.console import table

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,7 +44,6 @@ class SimSetup:
     max_tokens: int
     duration_s: float
     warmup_s: float
-    signatures: dict = field(default_factory=dict)
     runs: int = 0
     sim_s: float = 0.0
 
@@ -84,7 +83,7 @@ def measure(setup: SimSetup, arrivals, router: str, rate: float, seed: int) -> d
     t0 = time.perf_counter()
     cols, steps, _ = simulate_run(setup.replay, setup.items, sched, router=router, n_prefill=setup.n_prefill,
                                   n_decode=setup.n_decode, max_tokens=setup.max_tokens, model=setup.model,
-                                  seed=seed, signatures=setup.signatures, item_rows=setup.rows,
+                                  seed=seed, item_rows=setup.rows,
                                   oracle=setup.oracle)
     setup.runs += 1
     setup.sim_s += time.perf_counter() - t0

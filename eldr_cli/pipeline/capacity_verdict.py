@@ -130,7 +130,7 @@ def headline_router(routers: list[str]) -> str | None:
 
 def legacy_keys(study: dict, router: str | None) -> dict:
     """Today's four verdict keys (and the TTFT one), now at 75% of the best load balancer's capacity."""
-    from eldr_cli.stages.oracle import oracle_share
+    from eldr_cli.routing.oracle import oracle_share
 
     out: dict = {"tpot_p50_change_vs_best_lb_pct": None, "tpot_p99_change_vs_best_lb_pct": None,
                  "ttft_p50_change_vs_best_lb_pct": None, "active_experts_change_vs_rr_pct": None,

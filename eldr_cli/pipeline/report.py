@@ -97,8 +97,8 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
     from eldr_cli.pipeline.capacity import decode_rate_bound, default_prefill, default_slo, typical_steps_ms
     from eldr_cli.pipeline.capacity_study import SimSetup
     from eldr_cli.pipeline.simulate import check_compatible, check_cost_model, trace_items
-    from eldr_cli.stages.oracle import OracleModel
-    from eldr_cli.stages.routing import RoutingModel
+    from eldr_cli.routing import RoutingModel
+    from eldr_cli.routing.oracle import fit_oracle
 
     replay = TraceReplay(tr, cost)
     model = RoutingModel.load(routing)
@@ -116,17 +116,19 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
         notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
                      "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so that TTFT "
                      "does not limit capacity")
-    oracle = OracleModel(np.asarray(tr.decode_counts), rows, n_decode, seed=seed, tau=model.tau,
-                         signature=model.signature)
+    oracle = fit_oracle(tr.decode_counts, rows, n_decode, model=model, seed=seed)
     # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
-    warmup = 2.0 * max_tokens * slo.tpot_p90_ms / 1e3
-    setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens, duration_s, warmup)
+    # a request's lifetime at the TPOT target: the warm-up is two (the decoders' batches reach steady state),
+    # the measured window at least three (and at least 300 requests, see SimSetup.window)
+    lifetime = max_tokens * slo.tpot_p90_ms / 1e3
+    setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens,
+                     max(duration_s, 3.0 * lifetime), 2.0 * lifetime)
     return setup, slo, bound, prefill_ms
 
 
 def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=None, routers=None,
                seeds: int = 5, slo_tpot_ms: float | None = None, slo_ttft_ms: float | None = None,
-               duration_s: float = 20.0, max_tokens: int | None = None, split: str = "evaluation",
+               duration_s: float = 0.0, max_tokens: int | None = None, split: str = "evaluation",
                seed: int = 0, progress=None) -> dict:
     """Write report.html/.md/.json into ``out``; return the verdict dict (keys as in report.json)."""
     from eldr_cli.artifacts.guard import check_output
@@ -166,11 +168,11 @@ def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=No
             notes.append(f"cost model: {cost_label}")
         else:
             cost_label = _cost_label(cost_model)
-        doc = _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split_used, names, n_decode,
-                                  max_tokens, duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill,
-                                  notes, work, step)
+        doc = _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split_used, names, bool(routers),
+                                  n_decode, max_tokens, duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms,
+                                  prefill, notes, work, step)
         step("replay")
-        doc["replay"] = _replay(trace, routing, names, split_used, seed, work / "replay")
+        doc["replay"] = _replay(trace, routing, doc["simulated"]["routers"], split_used, seed, work / "replay")
         doc["verdict"]["text"] += replay_text(doc["replay"])
         step("write")
         _write(doc, out, work, trace, routing, t0)
@@ -206,7 +208,22 @@ def _ensure_fit(trace, fit, work: Path, n_decode: int, seed: int, split: str, no
     return work / "fit"
 
 
-def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names, n_decode, max_tokens,
+def _buildable(names: list[str], setup, notes: list[str]) -> list[str]:
+    """The default routers this routing artifact and cost model can build (an artifact fitted before a policy
+    existed lacks its parts: that router is left out and the notes say why)."""
+    from eldr_cli.routing import make_router
+
+    keep = []
+    for r in names:
+        try:
+            make_router(r, setup.n_decode, model=setup.model, oracle=setup.oracle, cost=setup.replay.cost)
+            keep.append(r)
+        except EldrError as e:
+            notes.append(f"router {r} left out: {str(e).splitlines()[0]}")
+    return keep
+
+
+def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names, routers_given, n_decode, max_tokens,
                         duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes, work, step) -> dict:
     """The capacity study and its verdict: the report document without replay and figures."""
     from eldr_cli.costmodel import CostModel
@@ -217,6 +234,8 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
                                            duration_s, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes)
     if slo.how != "given":
         notes.append(f"SLO: {slo.how}")
+    if not routers_given:
+        names = _buildable(names, setup, notes)
     step("simulate")
     seed_list = [seed + i for i in range(seeds)]
     start = bound / 2.0
@@ -233,7 +252,8 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
             "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": setup.n_prefill,
                           "decode": n_decode, "routers": names, "max_tokens": max_tokens, "split": split,
                           "seeds": seed_list, "slo_how": slo.how, "warmup_s": round(setup.warmup_s, 2),
-                          "min_window_s": duration_s, "start_rps": round(start, 4), "runs": study["runs"],
+                          "min_window_s": round(setup.duration_s, 2), "start_rps": round(start, 4),
+                          "runs": study["runs"],
                           "simulate_s": round(study["sim_s"], 2), "rates_tried_rps": [round(x, 4) for x in tried]},
             "capacity": {r: [{"seed": s, "rate_rps": round(c.rate, 4), "status": c.status, "binding": c.binding,
                               "bracket_rps": [c.lo, c.hi], "probes": len(c.probes)}
