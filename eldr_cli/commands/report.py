@@ -31,7 +31,7 @@ def report_cmd(
     decode: Optional[int] = typer.Option(None, "--decode", min=1, help="Decode workers (default 4, or the fit's K)."),
     duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Shortest measured window per "
                                              "simulated run (s); default: 3 request lifetimes at the TPOT "
-                                             "target. Each run also measures at least 300 requests."),
+                                             "target. Each run measures 300 to 2,000 requests."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
                                              help="Decode tokens per request (default: the trace's median steps)."),
     split: str = split_option("evaluation", help="Trace rows to serve (falls back to all when absent)."),

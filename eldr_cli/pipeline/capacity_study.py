@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 LOAD_POINTS_PCT = (25, 50, 75, 100)
 MIN_REQUESTS = 300
+MAX_REQUESTS = 2000
 MIN_WARMUP_REQUESTS = 100
 MAX_WARMUP_REQUESTS = 2000
 METRICS = ("tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p90_ms", "active_experts",
@@ -49,9 +50,10 @@ class SimSetup:
 
     def window(self, rate: float) -> tuple[float, float]:
         """(warm-up, measured) seconds at ``rate``: the warm-up holds MIN_WARMUP_REQUESTS to MAX_WARMUP_REQUESTS
-        (a loose TPOT target must not make it hours long), the measured window at least MIN_REQUESTS."""
+        (a loose TPOT target must not make it hours long), the measured window MIN_REQUESTS to MAX_REQUESTS."""
         warm = min(self.warmup_s, MAX_WARMUP_REQUESTS / rate)
-        return max(warm, MIN_WARMUP_REQUESTS / rate), max(self.duration_s, MIN_REQUESTS / rate)
+        window = min(self.duration_s, MAX_REQUESTS / rate)
+        return max(warm, MIN_WARMUP_REQUESTS / rate), max(window, MIN_REQUESTS / rate)
 
 
 def run_metrics(cols: dict, steps: dict, n_layers: int) -> dict:

@@ -142,7 +142,7 @@ def _facts(doc: dict) -> list[list[str]]:
             ["capacity search", f"double/halve from {s['start_rps']:.3g} req/s, then bisect until the bracket "
                                 "is within 2%; the capacity is its lower end (error < 2%)"],
             ["runs", f"{s['runs']} simulated runs, {s['simulate_s']:.0f} s; warm-up {s['warmup_s']:.0f} s, "
-                     f"measured window >= {s['min_window_s']:.3g} s and >= 300 requests"]]
+                     f"measured window {s['min_window_s']:.3g} s, but 300 to 2,000 requests"]]
 
 
 def _fit_text(doc: dict) -> str:
