@@ -12,6 +12,7 @@ from eldr_cli.pipeline.capacity import (
     LOAD_BALANCERS,
     ORACLE,
     SLO,
+    TOLERANCE,
     Interval,
     is_candidate,
     mean_ci,
@@ -74,11 +75,21 @@ def _rates(study: dict, router: str) -> list[float]:
 
 def capacity_gain(study: dict, router: str) -> tuple[Interval | None, Interval | None]:
     """(capacity gain vs the best load balancer in %, decode instances saved for the same traffic in %),
-    both from the per-seed pairs; a seed where either capacity is 0 has no ratio and is left out."""
+    both from the per-seed pairs; a seed where either capacity is 0 has no ratio and is left out. Each capacity
+    is known within its search bracket [lo, (1 + TOLERANCE) lo), so the ratio of two is known within a factor
+    (1 + TOLERANCE) either way: the t-interval is widened by that much (a 1% difference on the bisection's
+    grid is not a measured 1%)."""
     c, b = _rates(study, router), _rates(study, study["best_lb"])
     pairs = [(x, y) for x, y in zip(c, b, strict=True) if x > 0 and y > 0]
     gain = paired_pct_ci([x for x, _ in pairs], [y for _, y in pairs])
     saved = mean_ci([100.0 * (1.0 - y / x) for x, y in pairs])
+    f = 1.0 + TOLERANCE
+    if gain is not None and gain.lo is not None and gain.hi is not None:
+        gain = Interval(gain.mean, 100.0 * ((1 + gain.lo / 100.0) / f - 1), 100.0 * ((1 + gain.hi / 100.0) * f - 1),
+                        gain.n)
+    if saved is not None and saved.lo is not None and saved.hi is not None:
+        saved = Interval(saved.mean, 100.0 * (1 - (1 - saved.lo / 100.0) * f), 100.0 * (1 - (1 - saved.hi / 100.0) / f),
+                         saved.n)
     return gain, saved
 
 
