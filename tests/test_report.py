@@ -52,7 +52,8 @@ def test_report_json_has_the_keys_tools_read(report):
     assert set(v["capacity_rps"]) == set(routers)
     for c in v["capacity_rps"].values():
         assert set(c) == {"mean", "ci95"} and len(c["ci95"]) == 2 and c["ci95"][0] <= c["mean"] <= c["ci95"][1]
-    assert set(v["capacity_gain_vs_best_lb_pct"]) == {"eldr", "oracle"}  # every router but the balancers
+    balancers = {"round-robin", "random", "jsq", "p2c"}
+    assert set(v["capacity_gain_vs_best_lb_pct"]) == set(routers) - balancers  # eldr, eldr-live, the oracle
     assert len(v["by_load"]) == 4 * len(routers)
     for row in v["by_load"]:
         assert {"load_pct", "router", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms"} <= set(row)
