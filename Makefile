@@ -60,8 +60,17 @@ test: lint deps-system test-fast test-slow
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
 
-test-slow: venv
+test-slow: venv deps-chromium
 	$(BIN)/python -m pytest -q -m "slow or vllm"
+
+# system packages the slow tests need; apt-get runs only when one is missing
+.PHONY: deps-system deps-chromium
+deps-system: deps-chromium
+
+deps-chromium:  ## headless Chromium: the report test renders report.html in a real browser
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { $(if $(filter 0,$(shell id -u)),,sudo )apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo )apt-get install -y -qq chromium; }
 
 # -- the offline fit, chained through manifests ----------------------------------------------
 fit: $(ART)/fit/routing/manifest.json

@@ -135,3 +135,44 @@ def build_schedule(n_prompts: int, rate: float, *, duration_s: float, warmup_s: 
     order = np.concatenate([rng.permutation(n_prompts) for _ in range(passes)])[: len(t)]
     return Schedule(rate=float(rate), offsets=t, prompt_index=order.astype(np.int64), warmup=t < warmup_s,
                     warmup_s=float(warmup_s), duration_s=float(duration_s))
+
+
+class ScaledArrivals:
+    """One seed's arrivals for every rate (common random numbers): a unit-rate process (gamma gaps of shape
+    ``burstiness``) and a prompt order in shuffled passes, both drawn in fixed blocks from
+    ``(seed, block)`` so the sequence is the same however far it is read. The schedule at rate ``r`` is
+    that process with its times divided by ``r``: a higher rate sends the same requests closer together,
+    so an SLO check over rates (a capacity search) sees load change and nothing else."""
+
+    BLOCK = 4096
+
+    def __init__(self, n_prompts: int, *, seed: int = 0, burstiness: float = 1.0):
+        if n_prompts < 1 or burstiness <= 0:
+            raise EldrError("arrivals need at least one prompt and burstiness > 0")
+        self.n_prompts, self.seed, self.burstiness = int(n_prompts), int(seed), float(burstiness)
+        self._t = np.zeros(0)
+        self._idx = np.zeros(0, dtype=np.int64)
+
+    def _extend(self, horizon: float) -> None:
+        """Draw blocks until the unit-rate process passes ``horizon``."""
+        ts, idx = [self._t], [self._idx]
+        end, b = (self._t[-1] if self._t.size else 0.0), self._t.size // self.BLOCK
+        while end < horizon:
+            rng = np.random.default_rng([self.seed, 0x5CA1ED, b])
+            t = end + np.cumsum(rng.gamma(shape=self.burstiness, scale=1.0 / self.burstiness, size=self.BLOCK))
+            passes = self.BLOCK // self.n_prompts + 1
+            idx.append(np.concatenate([rng.permutation(self.n_prompts) for _ in range(passes)])[: self.BLOCK])
+            ts.append(t)
+            end, b = float(t[-1]), b + 1
+        self._t, self._idx = np.concatenate(ts), np.concatenate(idx).astype(np.int64)
+
+    def schedule(self, rate: float, *, duration_s: float, warmup_s: float = 0.0) -> Schedule:
+        if rate <= 0 or duration_s <= 0 or warmup_s < 0:
+            raise EldrError("rate and duration must be > 0 and warmup >= 0")
+        horizon = (warmup_s + duration_s) * rate  # in unit-rate time
+        if not self._t.size or self._t[-1] < horizon:
+            self._extend(horizon)
+        n = int(np.searchsorted(self._t, horizon, side="left"))
+        t = self._t[:n] / rate
+        return Schedule(rate=float(rate), offsets=t, prompt_index=self._idx[:n].copy(), warmup=t < warmup_s,
+                        warmup_s=float(warmup_s), duration_s=float(duration_s))

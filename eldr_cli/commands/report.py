@@ -1,4 +1,5 @@
-"""`eldr report`: one self-contained HTML/Markdown/JSON report of what ELDR is predicted to buy on a trace."""
+"""`eldr report`: capacity at SLO per router, with confidence intervals over seeds, as one self-contained
+HTML/Markdown/JSON report of what ELDR is predicted (SIMULATED) to buy on a trace."""
 
 from __future__ import annotations
 
@@ -17,21 +18,29 @@ def report_cmd(
     fit: Optional[Path] = typer.Option(None, "--fit", help="Fit (or routing) artifact; fitted on the trace if absent."),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="Cost-model artifact; default: the "
                                               "roofline of the preset model of the trace's shape on H100-SXM."),
-    rates: Optional[str] = typer.Option(None, "--rates", help="Request rates (req/s); default: 25-100% of the "
-                                        "estimated decode saturation rate."),
-    prefill: Optional[int] = typer.Option(None, "--prefill", min=1, help="Prefill workers (default 2)."),
-    decode: Optional[int] = typer.Option(None, "--decode", min=1, help="Decode workers (default 4)."),
-    duration: float = typer.Option(30.0, "--duration", min=1.0, help="Simulated measured seconds per rate."),
+    seeds: int = typer.Option(5, "--seeds", help="Independent runs (arrivals, row order, policy seeds), paired "
+                                                 "across routers; every figure is their mean and 95% interval."),
+    slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="TPOT p90 target (ms); default: 4x "
+                                                "the batch-1 decode step of the cost model."),
+    slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="TTFT p90 target (ms); default: 3x "
+                                                "the typical prefill step + 2 TPOT targets."),
+    routers: Optional[str] = typer.Option(None, "--routers", help="Comma-separated routers (default: every "
+                                          "simulator router but domain, incl. the oracle)."),
+    prefill: Optional[int] = typer.Option(None, "--prefill", min=1, help="Prefill workers (default: enough that "
+                                          "TTFT does not limit capacity)."),
+    decode: Optional[int] = typer.Option(None, "--decode", min=1, help="Decode workers (default 4, or the fit's K)."),
+    duration: Optional[float] = typer.Option(None, "--duration", min=0.1, help="Shortest measured window per "
+                                             "simulated run (s); default: 3 request lifetimes at the TPOT "
+                                             "target. Each run measures 300 to 2,000 requests."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1,
                                              help="Decode tokens per request (default: the trace's median steps)."),
     split: str = split_option("evaluation", help="Trace rows to serve (falls back to all when absent)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="First seed (seeds are seed, seed+1, ...)."),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ) -> None:
-    """Predict (SIMULATED) what ELDR buys on this trace and cost model: TPOT, TTFT, active experts, oracle share."""
+    """Capacity at SLO per router (SIMULATED, paired seeds, 95% intervals), load regimes, the verdict."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from eldr_cli.bench.workload import parse_rates
     from eldr_cli.console import console
     from eldr_cli.pipeline.report import STAGES, run_report
 
@@ -46,10 +55,19 @@ def report_cmd(
             seen.append(name)
             bar.update(task, description=f"report: {name}")
 
-        v = run_report(trace, out, fit=fit, cost_model=cost_model, rates=parse_rates(rates) if rates else None,
-                       prefill=prefill, decode=decode, duration_s=duration, max_tokens=max_tokens, split=split,
-                       seed=seed, progress=step)
+        names = [r.strip() for r in routers.split(",") if r.strip()] if routers else None
+        v = run_report(trace, out, fit=fit, cost_model=cost_model, prefill=prefill, decode=decode, routers=names,
+                       seeds=seeds, slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration or 0.0,
+                       max_tokens=max_tokens, split=split, seed=seed, progress=step)
         bar.advance(task)
+    from eldr_cli.console import table
+    from eldr_cli.pipeline.report_render import capacity_table
+
+    _, head, rows = capacity_table(v)
+    t = table(*head, title="capacity at SLO -- SIMULATED, mean [95% interval]")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
     console.print(v["text"])
     console.print(f"report -> {out / 'report.html'}  (also report.md, report.json)")
 

@@ -17,22 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from eldr_cli.errors import EldrError
+from eldr_cli.pipeline.capacity import LOAD_BALANCERS
 
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 DEFAULT_DEVICE = "H100-SXM"
 STAGES = ("trace", "fit", "cost model", "simulate", "replay", "write")
 REPLAY_BATCHES = (1, 4, 16, 64)
-
-
-def _pct(new: float | None, old: float | None) -> float | None:
-    if new is None or old is None or old == 0:
-        return None
-    return round(100.0 * (new - old) / old, 2)
-
-
-def _mean(runs: list[dict], router: str, key: str) -> float | None:
-    v = [r[key] for r in runs if r["router"] == router and r.get(key) is not None]
-    return float(np.mean(v)) if v else None
 
 
 def default_cost_model(tr, work: Path) -> tuple[Path, str]:
@@ -59,58 +48,6 @@ def default_cost_model(tr, work: Path) -> tuple[Path, str]:
     out = work / "cost-model"
     run_cost_model(out, pick, device=DEFAULT_DEVICE)
     return out, f"first-principles roofline, {how}, on {DEFAULT_DEVICE} (not measured)"
-
-
-def saturation_rate(cost, n_layers: int, num_experts: int, top_k: int, n_decode: int, max_tokens: int,
-                    batch: int = 64, prompt_tokens: float = 0.0) -> float:
-    """Request rate at which ``n_decode`` workers run ``batch`` requests each (round-robin-like experts),
-    each request half-way through its decode (a roofline charges that KV; a measured CPU model ignores it)."""
-    active = min(num_experts, batch * max(top_k, 1)) * n_layers
-    step_ms = cost.step_ms(active, n_layers, batch, context=[prompt_tokens + max_tokens / 2] * batch)
-    return n_decode * batch * 1000.0 / (step_ms * max(max_tokens, 1))
-
-
-def verdict(runs: list[dict]) -> dict:
-    routers = list(dict.fromkeys(r["router"] for r in runs))
-    lbs = [r for r in routers if r in LOAD_BALANCERS]
-    if "eldr" not in routers or not lbs:
-        raise EldrError("the verdict needs the eldr router and at least one load balancer")
-    best = min(lbs, key=lambda r: _mean(runs, r, "median_tpot_ms") or float("inf"))
-    e50, b50 = _mean(runs, "eldr", "median_tpot_ms"), _mean(runs, best, "median_tpot_ms")
-    share = None
-    if "oracle" in routers:
-        o50 = _mean(runs, "oracle", "median_tpot_ms")
-        if o50 is not None and b50 is not None and e50 is not None and b50 - o50 > 1e-9:
-            share = round(float(np.clip(100.0 * (b50 - e50) / (b50 - o50), 0.0, 100.0)), 1)
-    rr = "round-robin" if "round-robin" in routers else best
-    return {
-        "best_load_balancer": best,
-        "tpot_p50_change_vs_best_lb_pct": _pct(e50, b50),
-        "tpot_p99_change_vs_best_lb_pct": _pct(_mean(runs, "eldr", "p99_tpot_ms"), _mean(runs, best, "p99_tpot_ms")),
-        "ttft_p50_change_vs_best_lb_pct": _pct(_mean(runs, "eldr", "median_ttft_ms"),
-                                               _mean(runs, best, "median_ttft_ms")),
-        "active_experts_change_vs_rr_pct": _pct(_mean(runs, "eldr", "mean_active_experts_per_step"),
-                                                _mean(runs, rr, "mean_active_experts_per_step")),
-        "oracle_share_pct": share,
-    }
-
-
-def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int) -> str:
-    def f(x):
-        return "n/a" if x is None else f"{abs(x):.1f}%"
-
-    def verb(x, down="cut", up="raise"):
-        return down if (x or 0) <= 0 else up
-
-    p50, p99 = v["tpot_p50_change_vs_best_lb_pct"], v["tpot_p99_change_vs_best_lb_pct"]
-    share = v["oracle_share_pct"]
-    tail = (f", {share:.0f}% of the way from the best load balancer to the oracle" if share is not None
-            else " (no oracle row in this run, so the share of the possible gain is not known)")
-    return (f"SIMULATED with {cost_label}, {n_prefill}P{n_decode}D: on this trace ELDR is predicted to "
-            f"{verb(p50)} median TPOT by {f(p50)} and {verb(p99)} p99 TPOT by {f(p99)} against the best load "
-            f"balancer ({v['best_load_balancer']}){tail}; it changes the distinct experts a decode step activates "
-            f"by {v['active_experts_change_vs_rr_pct'] if v['active_experts_change_vs_rr_pct'] is not None else 'n/a'}"
-            f"% against round-robin (negative = fewer).")
 
 
 def replay_text(res: dict) -> str:
@@ -145,16 +82,60 @@ def _fit_decoders(fit) -> int:
     return int(RoutingModel.load(fit).n_clusters)
 
 
-def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=None, decode=None,
-               routers=None, duration_s: float = 30.0, warmup_s: float = 5.0, max_tokens: int | None = None,
-               split: str = "evaluation", seed: int = 0, progress=None) -> dict:
+def _cost_label(cost_model) -> str:
+    from eldr_cli.artifacts.store import Artifact
+
+    cp = Artifact(cost_model).params
+    return f"{cp.get('source', 'measured')} cost model {Path(cost_model).name}" + (
+        f" ({cp.get('model')} on {cp.get('device')})" if cp.get("model") else f" ({cp.get('device')})")
+
+
+def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int, max_tokens: int,
+           duration_s: float, seed: int, slo_tpot_ms, slo_ttft_ms, prefill: int | None, notes: list[str]):
+    """The shared inputs of every run, the SLO and the prefill pool (sized so TTFT does not bind)."""
+    from eldr_cli.bench.replay import TraceReplay
+    from eldr_cli.pipeline.capacity import decode_rate_bound, default_prefill, default_slo, typical_steps_ms
+    from eldr_cli.pipeline.capacity_study import SimSetup
+    from eldr_cli.pipeline.simulate import check_compatible, check_cost_model, trace_items
+    from eldr_cli.routing import RoutingModel
+    from eldr_cli.routing.oracle import fit_oracle
+
+    replay = TraceReplay(tr, cost)
+    model = RoutingModel.load(routing)
+    check_compatible(replay, model)
+    check_cost_model(replay, cost_model)
+    items, rows = trace_items(replay, split)
+    if not items:
+        raise EldrError(f"the trace has no {split!r} rows to serve")
+    slo = default_slo(replay, rows, max_tokens, slo_tpot_ms, slo_ttft_ms)
+    ctx = float(np.median(replay.prompt_tokens[rows])) + max_tokens / 2.0
+    bound = decode_rate_bound(replay, n_decode, max_tokens, slo.tpot_p90_ms, context=ctx)
+    _, prefill_ms = typical_steps_ms(replay, rows, max_tokens)
+    n_prefill = prefill or default_prefill(prefill_ms, bound, n_decode)
+    if prefill is None:
+        notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
+                     "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so that TTFT "
+                     "does not limit capacity")
+    oracle = fit_oracle(tr.decode_counts, rows, n_decode, model=model, seed=seed)
+    # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
+    # a request's lifetime at the TPOT target: the warm-up is two (the decoders' batches reach steady state),
+    # the measured window at least three (and at least 300 requests, see SimSetup.window)
+    lifetime = max_tokens * slo.tpot_p90_ms / 1e3
+    setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens,
+                     max(duration_s, 3.0 * lifetime), 2.0 * lifetime)
+    return setup, slo, bound, prefill_ms
+
+
+def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=None, routers=None,
+               seeds: int = 5, slo_tpot_ms: float | None = None, slo_ttft_ms: float | None = None,
+               duration_s: float = 0.0, max_tokens: int | None = None, split: str = "evaluation",
+               seed: int = 0, progress=None) -> dict:
     """Write report.html/.md/.json into ``out``; return the verdict dict (keys as in report.json)."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.artifacts.trace import read_trace
-    from eldr_cli.costmodel import CostModel
-    from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.pipeline.simulate import SIM_POLICIES, run_simulate
+    from eldr_cli.pipeline.capacity import check_slo_values
 
+    check_slo_values(slo_tpot_ms, slo_ttft_ms, seeds)
     step = progress or (lambda name: None)
     out = Path(out)
     check_output(out, "report", [p for p in (trace, fit, cost_model) if p])
@@ -165,9 +146,7 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
         raise EldrError(f"trace {trace} has no per-step decode picks, which the report's simulation needs",
                         hint="capture again (`eldr capture --model M --prompts P --max-new-tokens N` records "
                              "per-step picks) or generate with `eldr synth-trace --picks`")
-    R, L, E = tr.prefill_counts.shape
-    top_k = int(tr.model.get("top_k") or 1)
-    n_prefill = prefill or 2
+    names = _routers(routers)
     n_decode = decode or (_fit_decoders(fit) if fit is not None else 4)  # a given fit fixes K
     steps = np.diff(np.asarray(tr.decode_offsets, dtype=np.int64))
     max_tokens = max_tokens or max(int(np.median(steps)), 1)
@@ -178,74 +157,150 @@ def run_report(trace, out, *, fit=None, cost_model=None, rates=None, prefill=Non
         split_used = "all"
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
     try:
-        step("fit")
-        notes = []
+        notes: list[str] = []
         if split_used != split:
             notes.append(f"the trace has no {split!r} split: served all its rows")
-        if fit is None:
-            fit = work / "fit"
-            # 5,000 signature pairs (fit's default is 20,000) keep the report inside a minute on 2 cores
-            run_fit(trace, fit, decoders=n_decode, seed=seed, pairs=5000,
-                    split="calibration" if split_used == "evaluation" else "all")
-            notes.append(f"fitted ELDR on the trace's calibration rows for {n_decode} decoders (5,000 pairs)")
-        routing = Path(fit)
+        step("fit")
+        routing = _ensure_fit(trace, fit, work, n_decode, seed, split_used, notes)
         step("cost model")
         if cost_model is None:
             cost_model, cost_label = default_cost_model(tr, work)
             notes.append(f"cost model: {cost_label}")
         else:
-            from eldr_cli.artifacts.store import Artifact
-
-            cp = Artifact(cost_model).params
-            cost_label = f"{cp.get('source', 'measured')} cost model {Path(cost_model).name}" + (
-                f" ({cp.get('model')} on {cp.get('device')})" if cp.get("model") else f" ({cp.get('device')})")
-        cost = CostModel.load(cost_model)
-        step("simulate")
-        if rates is None:
-            sat = saturation_rate(cost, L, E, top_k, n_decode, max_tokens,
-                                  prompt_tokens=float(np.mean(tr.prompt_tokens)) if len(tr.prompt_tokens) else 0.0)
-            rates = [round(sat * f, 3) for f in (0.25, 0.5, 0.75, 1.0)]
-            notes.append(f"rates: 25-100% of the estimated decode saturation rate ({sat:.2f} req/s)")
-        names = routers or [r for r in ("round-robin", "random", "jsq", "p2c", "eldr", "oracle") if r in SIM_POLICIES]
-        sim = work / "simulate"
-        run_simulate(sim, trace=trace, cost_model=cost_model, split=split_used, routers=names, rates=list(rates),
-                     n_prefill=n_prefill, n_decode=n_decode, duration_s=duration_s, warmup_s=warmup_s,
-                     max_tokens=max_tokens, routing=routing, seed=seed, title="SIMULATED")
-        summary = json.loads((sim / "summary.json").read_text())
-        runs = summary["runs"]
+            cost_label = _cost_label(cost_model)
+        doc = _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split_used, names, bool(routers),
+                                  n_decode, max_tokens, duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms,
+                                  prefill, notes, work, step)
         step("replay")
-        replay = _replay(trace, routing, names, split_used, seed, work / "replay")
+        doc["replay"] = _replay(trace, routing, doc["simulated"]["routers"], split_used, seed, work / "replay")
+        doc["verdict"]["text"] += replay_text(doc["replay"])
         step("write")
-        v = verdict(runs)
-        text = verdict_text(v, cost_label, n_prefill, n_decode) + replay_text(replay)
-        doc = {"verdict": {**v, "text": text}, "trace": {"path": str(trace), "model": tr.model.get("model"),
-                                                         "requests": int(R), "n_layers": int(L),
-                                                         "num_experts": int(E), "top_k": top_k,
-                                                         "domains": _domains(tr)},
-               "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": n_prefill,
-                             "decode": n_decode, "rates": list(rates), "routers": names, "max_tokens": max_tokens,
-                             "duration_s": duration_s, "split": split_used},
-               "fit": _fit_facts(routing), "runs": runs, "oracle_share_by_rate": summary.get("oracle_share", []),
-               "replay": replay, "notes": notes}
-        stage = work / "report"
-        stage.mkdir()
-        figs = _figures(Path(trace), routing, sim, work / "replay")
-        from eldr_cli.pipeline.report_render import render_html, render_md
-
-        doc["figures"] = [f.name for f in figs]
-        doc["wall_s"] = round(time.perf_counter() - t0, 2)
-        (stage / "report.json").write_text(json.dumps(doc, indent=2, default=str))
-        (stage / "report.md").write_text(render_md(doc))
-        (stage / "report.html").write_text(render_html(doc, {f.name: base64.b64encode(f.read_bytes()).decode()
-                                                             for f in figs}))
-        (stage / "manifest.json").write_text(json.dumps({"tool": "eldr", "kind": "report",
-                                                         "inputs": {"trace": str(trace)}}))
-        if out.exists():
-            shutil.rmtree(out)
-        stage.rename(out)
+        _write(doc, out, work, trace, routing, t0)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return doc["verdict"]
+
+
+def _routers(routers) -> list[str]:
+    """The routers to compare: the given ones, else every simulator router but domain (which needs domain
+    labels), so a router added to the simulator joins the report as a candidate."""
+    from eldr_cli.pipeline.simulate import SIM_POLICIES
+
+    names = list(routers) if routers else [r for r in SIM_POLICIES if r != "domain"]
+    for r in names:
+        if r not in SIM_POLICIES:
+            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(SIM_POLICIES)}")
+    if not any(r in LOAD_BALANCERS for r in names):
+        raise EldrError("the report compares against the best load balancer: give at least one of "
+                        + ", ".join(LOAD_BALANCERS))
+    return list(dict.fromkeys(names))
+
+
+def _ensure_fit(trace, fit, work: Path, n_decode: int, seed: int, split: str, notes: list[str]) -> Path:
+    from eldr_cli.pipeline.fit import run_fit
+
+    if fit is not None:
+        return Path(fit)
+    # 5,000 signature pairs (fit's default is 20,000) keep the report inside a minute on 2 cores
+    run_fit(trace, work / "fit", decoders=n_decode, seed=seed, pairs=5000,
+            split="calibration" if split == "evaluation" else "all")
+    notes.append(f"fitted ELDR on the trace's calibration rows for {n_decode} decoders (5,000 pairs)")
+    return work / "fit"
+
+
+def _buildable(names: list[str], setup, notes: list[str]) -> list[str]:
+    """The default routers this routing artifact and cost model can build (an artifact fitted before a policy
+    existed lacks its parts: that router is left out and the notes say why)."""
+    from eldr_cli.routing import make_router
+
+    keep = []
+    for r in names:
+        try:
+            make_router(r, setup.n_decode, model=setup.model, oracle=setup.oracle, cost=setup.replay.cost)
+            keep.append(r)
+        except EldrError as e:
+            notes.append(f"router {r} left out: {str(e).splitlines()[0]}")
+    return keep
+
+
+def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names, routers_given, n_decode, max_tokens,
+                        duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes, work, step) -> dict:
+    """The capacity study and its verdict: the report document without replay and figures."""
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.pipeline.capacity_verdict import build_verdict, deployment_facts, tpot_figure, verdict_text
+
+    cost = CostModel.load(cost_model)
+    setup, slo, bound, prefill_ms = _setup(trace, tr, routing, cost_model, cost, split, n_decode, max_tokens,
+                                           duration_s, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes)
+    if slo.how != "given":
+        notes.append(f"SLO: {slo.how}")
+    if not routers_given:
+        names = _buildable(names, setup, notes)
+    step("simulate")
+    seed_list = [seed + i for i in range(seeds)]
+    start = bound / 2.0
+    study = _study(setup, names, seed_list, slo, start, prefill_ms if prefill is None else None, notes)
+    v = build_verdict(study, slo, seed_list, deployment_facts(cost))
+    tried = (start / 2 ** 10, start * 2 ** 5)
+    v["text"] = verdict_text(v, cost_label, setup.n_prefill, n_decode, tried)
+    (work / "capacity").mkdir()
+    tpot_figure(work / "capacity" / "tpot_vs_load.png", v)
+    R, L, E = tr.prefill_counts.shape
+    return {"verdict": v,
+            "trace": {"path": str(trace), "model": tr.model.get("model"), "requests": int(R), "n_layers": int(L),
+                      "num_experts": int(E), "top_k": int(tr.model.get("top_k") or 1), "domains": _domains(tr)},
+            "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": setup.n_prefill,
+                          "decode": n_decode, "routers": names, "max_tokens": max_tokens, "split": split,
+                          "seeds": seed_list, "slo_how": slo.how, "warmup_s": round(setup.warmup_s, 2),
+                          "min_window_s": round(setup.duration_s, 2), "start_rps": round(start, 4),
+                          "runs": study["runs"],
+                          "simulate_s": round(study["sim_s"], 2), "rates_tried_rps": [round(x, 4) for x in tried]},
+            "capacity": {r: [{"seed": s, "rate_rps": round(c.rate, 4), "status": c.status, "binding": c.binding,
+                              "bracket_rps": [c.lo, c.hi], "probes": len(c.probes)}
+                             for s, c in zip(seed_list, cs, strict=True)]
+                         for r, cs in study["capacity"].items()},
+            "by_load_runs": study["by_load"], "fit": _fit_facts(routing), "notes": notes}
+
+
+def _study(setup, names: list[str], seeds: list[int], slo, start: float, prefill_ms: float | None,
+           notes: list[str]) -> dict:
+    """The capacity study; with a defaulted prefill pool (``prefill_ms`` given), redone with more prefill
+    workers (sized for twice the highest capacity found) while TTFT is what limits some router's capacity."""
+    from eldr_cli.pipeline.capacity import default_prefill
+    from eldr_cli.pipeline.capacity_study import run_study
+
+    for _ in range(3):
+        study = run_study(setup, names, seeds, slo, start)
+        ttft = [r for r, cs in study["capacity"].items() if [c.binding for c in cs].count("ttft") * 2 > len(cs)]
+        if prefill_ms is None or not ttft:
+            break
+        top = max(c.rate for cs in study["capacity"].values() for c in cs)
+        more = default_prefill(prefill_ms, 2.0 * top, setup.n_decode)
+        if more <= setup.n_prefill:
+            break
+        notes.append(f"TTFT limited the capacity of {', '.join(ttft)} with {setup.n_prefill} prefill workers: "
+                     f"redone with {more} (at most 35% busy at {2 * top:.3g} req/s)")
+        setup.n_prefill = more
+    return study
+
+
+def _write(doc: dict, out: Path, work: Path, trace, routing: Path, t0: float) -> None:
+    from eldr_cli.pipeline.report_render import render_html, render_md
+
+    stage = work / "report"
+    stage.mkdir()
+    figs = _figures(work / "capacity", Path(trace), routing, work / "replay")
+    doc["figures"] = [f.name for f in figs]
+    doc["wall_s"] = round(time.perf_counter() - t0, 2)
+    (stage / "report.json").write_text(json.dumps(doc, indent=2, default=str))
+    (stage / "report.md").write_text(render_md(doc))
+    (stage / "report.html").write_text(render_html(doc, {f.name: base64.b64encode(f.read_bytes()).decode()
+                                                         for f in figs}))
+    (stage / "manifest.json").write_text(json.dumps({"tool": "eldr", "kind": "report",
+                                                     "inputs": {"trace": str(trace)}}))
+    if out.exists():
+        shutil.rmtree(out)
+    stage.rename(out)
 
 
 def _replay(trace, routing, routers: list[str], split: str, seed: int, fig_dir: Path) -> dict:

@@ -1,149 +1,266 @@
-"""Render the report document (the dict written to report.json) as Markdown and as one self-contained HTML."""
+"""Render the report document (the dict written to report.json) as Markdown and as one self-contained HTML.
+
+Both are built from the same list of sections (:func:`sections`): the decision, the headline, the
+TPOT-vs-load figure, then the evidence. Numbers are rounded with units; "SIMULATED" is said once per
+section that holds simulated numbers.
+"""
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass, field
 
-SECTIONS = [
-    ("The trace", ("fig1", "fig3")),
-    ("Signature quality (rho per transform, greedy layer curve, N*)", ("fig7", "fig8")),
-    ("Clusters", ("fig9",)),
-    ("Distinct active experts per decode step by policy and batch size -- trace REPLAY and SIMULATED",
-     ("fig13",)),
-    ("Predicted TPOT p50/p99 and TTFT vs request rate per router -- SIMULATED", ("fig11",)),
-]
-VERDICT_KEYS = ("tpot_p50_change_vs_best_lb_pct", "tpot_p99_change_vs_best_lb_pct",
-                "active_experts_change_vs_rr_pct", "oracle_share_pct")
+from eldr_cli.pipeline.capacity import LOAD_BALANCERS, Interval
+from eldr_cli.pipeline.capacity_verdict import DEPLOYMENT_KEYS, fmt_change, fmt_value
+
+EVIDENCE = [("Signature quality: rho per transform, greedy layer curve, N*", ("fig7", "fig8")),
+            ("Clusters", ("fig9",)),
+            ("The trace", ("fig1", "fig3"))]
 
 
-def _fmt(x) -> str:
-    return "n/a" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))
+@dataclass
+class Section:
+    title: str
+    label: str = ""                                  # "SIMULATED", "REPLAY", ... said once, in the heading
+    paragraphs: list[str] = field(default_factory=list)
+    tables: list[tuple[str, list[str], list[list[str]]]] = field(default_factory=list)  # (id, head, rows)
+    figures: list[str] = field(default_factory=list)
 
 
-def _table(doc: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["router", "rate", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "active experts/step/layer"]
-    rows = [[r["router"], _fmt(r["request_rate"]), _fmt(r.get("median_tpot_ms")), _fmt(r.get("p99_tpot_ms")),
-             _fmt(r.get("median_ttft_ms")), _fmt(r.get("mean_active_experts_per_step"))] for r in doc["runs"]]
-    return head, rows
+def _iv(d: dict | None) -> Interval | None:
+    if not d or d.get("mean") is None:
+        return None
+    lo, hi = d.get("ci95") or (None, None)
+    return Interval(float(d["mean"]), lo, hi, 0)
 
 
-def _replay_table(doc: dict) -> tuple[str, list[str], list[list[str]]] | None:
-    """Fig. 13's numbers: per policy and batch size, then ELDR's share of the LB-to-oracle distance."""
+def _num(x, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+
+def headline(doc: dict) -> list[tuple[str, str, str]]:
+    """The headline card: (label, big figure, small print) for capacity gain, decode instances saved, TPOT
+    p50 and p99 change at 75% load. Figures are "no measurable difference" when the interval spans 0."""
+    from eldr_cli.pipeline.capacity_verdict import LEGACY_LOAD_PCT, headline_router
+
+    v = doc["verdict"]
+    r = headline_router(list(v["capacity_rps"]))
+    best = v["best_load_balancer"]
+    if r is None or v["status"] != "ok":
+        return []
+
+    def tile(label: str, iv: Interval | None) -> tuple[str, str, str]:
+        text = fmt_change(iv)
+        big, _, small = text.partition(" (")
+        return label, big, small.rstrip(")")
+
+    at = {c["router"]: c for c in v["change_vs_best_lb_by_load"] if c["load_pct"] == LEGACY_LOAD_PCT}.get(r, {})
+    saved = _iv(v["decode_instances_saved_pct"].get(r))
+    return [tile(f"{r} capacity at SLO vs {best}", _iv(v["capacity_gain_vs_best_lb_pct"].get(r))),
+            tile("decode instances for the same traffic",
+                 None if saved is None else Interval(-saved.mean, None if saved.hi is None else -saved.hi,
+                                                     None if saved.lo is None else -saved.lo, 0)),
+            tile(f"TPOT p50 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p50_pct"))),
+            tile(f"TPOT p99 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p99_pct")))]
+
+
+def decision(doc: dict) -> str:
+    """One word on what to do, ahead of the verdict's paragraph."""
+    from eldr_cli.pipeline.capacity_verdict import headline_router
+
+    v = doc["verdict"]
+    r = headline_router(list(v["capacity_rps"]))
+    if v["status"] == "none":
+        return "No decision: no router meets this SLO at any rate tried."
+    if v["status"] == "above":
+        return "No decision: every router meets this SLO at the highest rate tried."
+    if r is None:
+        return "No decision: no router other than load balancers and the oracle was compared."
+    g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
+    if g is None or g.lo is None or g.hi is None:
+        return "No decision: capacity gain not measurable."
+    if g.spans_zero:
+        return f"No measurable capacity difference between {r} and {v['best_load_balancer']} at this SLO."
+    return (f"Deploy {r}: more capacity at this SLO." if g.mean > 0 else
+            f"Do not deploy {r} for this workload and SLO: it carries less traffic than {v['best_load_balancer']}.")
+
+
+def capacity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
+    """Per router: capacity (req/s) [95% interval], the paired change vs the best load balancer, the SLO that
+    failed first above it. Fits 80 columns in a terminal."""
+    head = ["router", "capacity req/s", "vs best LB, %", "binding"]
+    rows = []
+    for r, c in v["capacity_rps"].items():
+        kind = " (LB)" if r in LOAD_BALANCERS else (" (limit)" if r == "oracle" else "")
+        g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
+        if r == v["best_load_balancer"]:
+            vs = "best LB"
+        elif g is None:
+            vs = "-"
+        elif g.lo is None or g.hi is None:
+            vs = f"{g.mean:+.1f} (one seed)"
+        else:
+            vs = "no measurable difference" if g.spans_zero else f"{g.mean:+.1f} [{g.lo:+.1f}, {g.hi:+.1f}]"
+        rows.append([r + kind, fmt_value(_iv(c), "").replace("  [", " ["), vs,
+                     (v["binding_slo"].get(r) or "-").upper()])
+    return "capacity", head, rows
+
+
+def _load_tables(v: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    head = ["router", "TPOT p50", "TPOT p99", "TTFT p50", "TPOT p50 vs best LB"]
+    change = {(c["load_pct"], c["router"]): c for c in v["change_vs_best_lb_by_load"]}
+    out = []
+    for pct in sorted({r["load_pct"] for r in v["by_load"]}):
+        rows = []
+        for r in [x for x in v["by_load"] if x["load_pct"] == pct]:
+            c = change.get((pct, r["router"]))
+            rows.append([r["router"], fmt_value(_iv(r["tpot_p50_ms"]), "ms"), fmt_value(_iv(r["tpot_p99_ms"]), "ms"),
+                         fmt_value(_iv(r["ttft_p50_ms"]), "ms"),
+                         "best LB" if c is None else fmt_change(_iv(c["tpot_p50_pct"]))])
+        rate = next(x["rate_rps"] for x in v["by_load"] if x["load_pct"] == pct)
+        out.append((f"load-{pct}", [f"{pct}% load ({rate:.3g} req/s)", *head[1:]], rows))
+    return out
+
+
+def _facts(doc: dict) -> list[list[str]]:
+    t, s, v = doc["trace"], doc["simulated"], doc["verdict"]
+    dep = v.get("deployment") or {}
+    ds = ", ".join(f"{k.replace('_', ' ')}: {'not stated' if dep.get(k) is None else dep[k]}"
+                   for k in DEPLOYMENT_KEYS)
+    return [["model", str(t["model"])],
+            ["trace", f"{t['requests']} requests, {t['n_layers']} MoE layers x {t['num_experts']} experts, "
+                      f"top-{t['top_k']}; served: {s['split']} rows"],
+            ["domains", ", ".join(f"{k}: {n}" for k, n in t["domains"].items()) or "unlabelled"],
+            ["cost model", s["cost_model"]], ["decode instance", ds],
+            ["topology", f"{s['prefill']} prefill, {s['decode']} decode workers; {s['max_tokens']} output tokens "
+                         "per request"],
+            ["SLO", f"TPOT p90 <= {v['slo']['tpot_p90_ms']:g} ms, TTFT p90 <= {v['slo']['ttft_p90_ms']:g} ms"
+                    + ("" if s["slo_how"] == "given" else f" ({s['slo_how']})")],
+            ["seeds", f"{len(s['seeds'])} ({v['ci_method']})"],
+            ["capacity search", f"double/halve from {s['start_rps']:.3g} req/s, then bisect until the bracket "
+                                "is within 2%; the capacity is its lower end (error < 2%)"],
+            ["runs", f"{s['runs']} simulated runs, {s['simulate_s']:.0f} s; warm-up {s['warmup_s']:.0f} s, "
+                     f"measured window {s['min_window_s']:.3g} s, but 300 to 2,000 requests"]]
+
+
+def _fit_text(doc: dict) -> str:
+    f = doc.get("fit") or {}
+    rho = f.get("rho_by_transform") or {}
+    sizes = f.get("cluster_sizes") or []
+    parts = []
+    if f.get("transform"):
+        parts.append(f"signature transform: {f['transform']}")
+    if rho:
+        parts.append("rho per transform: " + ", ".join(f"{k} {float(x):.3f}" for k, x in rho.items()))
+    if f.get("n_layers_kept") is not None:
+        parts.append(f"layers kept N* = {f['n_layers_kept']}"
+                     + (f" (rho {float(f['rho_peak']):.3f})" if f.get("rho_peak") is not None else ""))
+    if sizes:
+        parts.append(f"cluster sizes {min(sizes)}-{max(sizes)} over {len(sizes)} clusters")
+    return "; ".join(parts) + "." if parts else ""
+
+
+def _load_intro(v: dict) -> str:
+    if not v["by_load"]:
+        return ("No load points: " + ("no router has a capacity at this SLO." if v["status"] == "none" else
+                                      "the capacities are lower bounds (every router met the SLO at the highest "
+                                      "rate tried)."))
+    return (f"Every router at 25, 50, 75 and 100% of {v['best_load_balancer']}'s capacity; lines are means over "
+            "seeds, bands their 95% intervals.")
+
+
+def sections(doc: dict) -> list[Section]:
     from eldr_cli.pipeline.replay import replay_rows
 
-    res = doc.get("replay")
-    if not res or not res.get("results"):
-        return None
-    head, rows = replay_rows(res)
-    title = (f"Distinct active experts per layer per decode step -- trace REPLAY ({res['trace_source']} trace, "
-             f"K={res['n_decoders']} decoders, {res['served_rows']} {res['split']} rows; no cost model)")
-    return title, head, rows
-
-
-def _share_table(doc: dict) -> tuple[list[str], list[list[str]]] | None:
-    """Per simulated rate: TPOT p50 of the best load balancer, ELDR, the oracle, and ELDR's share (%)."""
-    rows = [r for r in doc.get("oracle_share_by_rate") or [] if r.get("p50_tpot_ms")]
-    if not rows:
-        return None
-    head = ["rate", "best LB TPOT p50 ms", "ELDR", "oracle", "ELDR share of LB->oracle"]
-    out = []
-    for r in rows:
-        d = r["p50_tpot_ms"]
-        out.append([_fmt(r["request_rate"]), _fmt(d.get("best_lb")), _fmt(d.get("eldr")), _fmt(d.get("oracle")),
-                    "n/a" if d.get("share_pct") is None else f"{d['share_pct']:.0f}%"])
-    return head, out
-
-
-def _facts(doc: dict) -> list[tuple[str, str]]:
-    t, f, s = doc["trace"], doc.get("fit") or {}, doc["simulated"]
-    return [("model", str(t["model"])), ("requests", str(t["requests"])),
-            ("layers x experts, top-k", f"{t['n_layers']} x {t['num_experts']}, top-{t['top_k']}"),
-            ("domains", ", ".join(f"{k}: {v}" for k, v in t["domains"].items()) or "unlabelled"),
-            ("signature transform", _fmt(f.get("transform"))), ("rho per transform", _fmt(f.get("rho_by_transform"))),
-            ("layers kept (N*)", _fmt(f.get("n_layers_kept"))), ("cluster sizes", _fmt(f.get("cluster_sizes"))),
-            ("cost model", s["cost_model"]), ("topology", f"{s['prefill']}P{s['decode']}D"),
-            ("request rates (req/s)", ", ".join(_fmt(r) for r in s["rates"])),
-            ("simulated duration per run", f"{s['duration_s']} s, {s['max_tokens']} decode tokens per request")]
-
-
-def _group(figs: list[str]) -> list[tuple[str, list[str]]]:
-    used, out = set(), []
-    for title, keys in SECTIONS:
-        # "fig1_" not "fig1": fig11_/fig13_ belong to their own sections, not to the trace's Fig. 1
+    v, figs = doc["verdict"], list(doc["figures"])
+    out = [Section("Decision", "", [decision(doc), v["text"]]),  # the text says SIMULATED itself
+           Section("TPOT vs load", "SIMULATED", [_load_intro(v)],
+                   figures=[f for f in figs if f.startswith("tpot_vs_load")]),
+           Section("Capacity at SLO", "SIMULATED", tables=[capacity_table(v)]),
+           Section("Load regimes", "SIMULATED", ["Mean [95% interval] over seeds; changes are paired per seed."],
+                   tables=_load_tables(v)),
+           Section("Deployment and method", "", tables=[("facts", ["", ""], _facts(doc))])]
+    if doc.get("replay") and doc["replay"].get("results"):
+        res = doc["replay"]
+        out.append(Section("Distinct active experts per decode step", "REPLAY",
+                           [f"Closed-loop trace replay, no cost model ({res['trace_source']} trace, "
+                            f"K={res['n_decoders']} decoders, {res['served_rows']} {res['split']} rows): experts "
+                            "per layer per step by policy and batch size."],
+                           tables=[("replay", *replay_rows(res))], figures=[f for f in figs if f.startswith("fig13")]))
+    used = {f for s in out for f in s.figures}
+    for title, keys in EVIDENCE:
         got = [f for f in figs if any(f.lower().startswith(k + "_") for k in keys) and f not in used]
         used.update(got)
-        out.append((title, got))
+        text = [_fit_text(doc)] if title.startswith("Signature") and _fit_text(doc) else []
+        out.append(Section(title, "", text or ([] if got else ["(no figure: the input artifact has none)"]),
+                           figures=got))
     rest = [f for f in figs if f not in used]
     if rest:
-        out.append(("Other figures", rest))
+        out.append(Section("Other figures", figures=rest))
+    if doc["notes"]:
+        out.append(Section("Notes", paragraphs=list(doc["notes"])))
     return out
 
 
 def render_md(doc: dict) -> str:
-    v = doc["verdict"]
-    lines = ["# eldr report", "", f"**Verdict (SIMULATED).** {v['text']}", "",
-             "| verdict key | value |", "|---|---|"]
-    lines += [f"| verdict.{k} | {_fmt(v[k])} |" for k in VERDICT_KEYS]
-    lines += ["", "## Facts", "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in _facts(doc)]
-    head, rows = _table(doc)
-    lines += ["", "## Runs -- SIMULATED (" + doc["simulated"]["cost_model"] + ")", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
-    st = _share_table(doc)
-    if st is not None:
-        head, rows = st
-        lines += ["", "## ELDR's share of the best-load-balancer-to-oracle distance per rate -- SIMULATED", "",
-                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    rt = _replay_table(doc)
-    if rt is not None:
-        title, head, rows = rt
-        lines += ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    for title, figs in _group(doc["figures"]):
-        lines += ["", f"## {title}", ""] + ([f"- {f} (embedded in report.html)" for f in figs] or
-                                            ["(no figure: the input artifact has none)"])
-    if doc["notes"]:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in doc["notes"]]
-    return "\n".join(lines) + "\n"
+    lines = [f"# eldr report: {doc['trace']['model']}", ""]
+    for s in sections(doc):
+        lines += [f"## {s.title}" + (f" -- {s.label}" if s.label else ""), ""]
+        if s.title == "Decision":
+            lines += [f"**{s.paragraphs[0]}** {s.paragraphs[1]}", ""]
+            lines += [f"- {a}: **{b}**" + (f" ({c})" if c else "") for a, b, c in headline(doc)] + [""]
+        else:
+            lines += [p + "\n" for p in s.paragraphs]
+        for tid, head, rows in s.tables:
+            if tid == "facts":
+                lines += ["| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows] + [""]
+                continue
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+        lines += [f"- {f} (embedded in report.html)" for f in s.figures] + ([""] if s.figures else [])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1080px;
+margin:2em auto;padding:0 1em;color:#222;line-height:1.45}h1{font-size:1.6em;margin-bottom:.2em}
+h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+.sim{font-size:.7em;color:#a33;font-weight:600;letter-spacing:.05em;margin-left:.6em;vertical-align:middle}
+.decision{font-size:1.15em;font-weight:600}.card{display:flex;gap:12px;flex-wrap:wrap;margin:1em 0}
+.tile{flex:1 1 200px;border:1px solid #cfd8e3;border-radius:8px;padding:.8em 1em;background:#f6f9fc}
+.tile .label{font-size:.85em;color:#555}.tile .big{font-size:1.7em;font-weight:700;margin:.15em 0}
+.tile .small{font-size:.8em;color:#555}table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.92em}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:left}th{background:#f3f3f3}
+td:not(:first-child){font-variant-numeric:tabular-nums}img{max-width:100%}figure{margin:1em 0}
+figcaption{font-size:.8em;color:#777}"""
+
+
+def _html_table(tid: str, head: list[str], rows: list[list[str]]) -> str:
+    e = html.escape
+    th = "" if not any(head) else "<tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table id='{e(tid)}'>{th}{body}</table>"
 
 
 def render_html(doc: dict, images: dict[str, str]) -> str:
     e = html.escape
-    v = doc["verdict"]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>eldr report</title><style>",
-             "body{font-family:sans-serif;max-width:1100px;margin:2em auto}td,th{border:1px solid #ccc;"
-             "padding:2px 6px}table{border-collapse:collapse}img{max-width:100%}.sim{color:#a33;font-weight:bold}",
-             "</style></head><body><h1>eldr report</h1>",
-             f"<p><span class='sim'>SIMULATED</span> {e(v['text'])}</p><table id='verdict'>"]
-    parts += [f"<tr><td>verdict.{k}</td><td class='v' data-key='{k}'>{e(_fmt(v[k]))}</td></tr>" for k in VERDICT_KEYS]
-    parts.append("</table><h2>Facts</h2><table>")
-    parts += [f"<tr><td>{e(a)}</td><td>{e(b)}</td></tr>" for a, b in _facts(doc)]
-    head, rows = _table(doc)
-    parts.append(f"</table><h2>Runs <span class='sim'>SIMULATED</span> ({e(doc['simulated']['cost_model'])})</h2>"
-                 "<table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
-    parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
-    parts.append("</table>")
-    st = _share_table(doc)
-    if st is not None:
-        head, rows = st
-        parts.append("<h2>ELDR's share of the best-load-balancer-to-oracle distance per rate <span class='sim'>"
-                     "SIMULATED</span></h2><table id='oracle-share'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head)
-                     + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
-        parts.append("</table>")
-    rt = _replay_table(doc)
-    if rt is not None:
-        title, head, rows = rt
-        parts.append(f"<h2>{e(title)}</h2><table id='replay'><tr>" + "".join(f"<th>{e(h)}</th>" for h in head)
-                     + "</tr>")
-        parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
-        parts.append("</table>")
-    for title, figs in _group(doc["figures"]):
-        parts.append(f"<h2>{e(title)}</h2>")
-        if not figs:
-            parts.append("<p>(no figure: the input artifact has none)</p>")
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>eldr report</title>",
+             f"<style>{CSS}</style></head><body><h1>eldr report: {e(str(doc['trace']['model']))}</h1>"]
+    for s in sections(doc):
+        label = f"<span class='sim'>{e(s.label)}</span>" if s.label else ""
+        parts.append(f"<section><h2>{e(s.title)}{label}</h2>")
+        if s.title == "Decision":
+            parts.append(f"<p class='decision'>{e(s.paragraphs[0])}</p><p id='verdict-text'>{e(s.paragraphs[1])}"
+                         "</p><div class='card' id='headline'>")
+            parts += [f"<div class='tile'><div class='label'>{e(a)}</div><div class='big'>{e(b)}</div>"
+                      f"<div class='small'>{e(c)}</div></div>" for a, b, c in headline(doc)]
+            parts.append("</div>")
+        else:
+            parts += [f"<p>{e(p)}</p>" for p in s.paragraphs]
+        parts += [_html_table(*t) for t in s.tables]
         parts += [f"<figure><img alt='{e(f)}' src='data:image/png;base64,{images[f]}'><figcaption>{e(f)}"
-                  "</figcaption></figure>" for f in figs]
-    if doc["notes"]:
-        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(n)}</li>" for n in doc["notes"]) + "</ul>")
+                  "</figcaption></figure>" for f in s.figures if f in images]
+        parts.append("</section>")
     return "\n".join(parts) + "</body></html>\n"
+
