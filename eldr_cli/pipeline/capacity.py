@@ -185,7 +185,7 @@ def typical_steps_ms(replay, rows: np.ndarray, max_tokens: int) -> tuple[float, 
     u = np.unique(np.asarray(rows, dtype=np.int64))
     top_k = int(replay.trace.model.get("top_k") or 1)
     active = top_k * replay.n_layers
-    dec = [replay.cost.step_ms(active, replay.n_layers, 1, replay.token_scale,
+    dec = [replay.cost.step_ms(replay.cost.spread_active(active), replay.n_layers, 1, replay.token_scale,
                                context=[float(replay.prompt_tokens[r]) + max_tokens / 2.0]) for r in u]
     pre = [replay.prefill_step_ms([int(r)])[0] for r in u]
     return float(np.median(dec)), float(np.median(pre))
@@ -216,7 +216,7 @@ def decode_rate_bound(replay, n_decode: int, max_tokens: int, tpot_ms: float, ma
     best = 1.0
     for b in range(1, max_seqs + 1):
         active = L * E * (1.0 - (1.0 - min(k, E) / E) ** b)
-        ms = replay.cost.step_ms(active, L, b, replay.token_scale, context=[context] * b)
+        ms = replay.cost.step_ms(replay.cost.spread_active(active), L, b, replay.token_scale, context=[context] * b)
         if ms > tpot_ms:
             break
         best = n_decode * b * 1000.0 / (ms * max(max_tokens, 1))

@@ -20,6 +20,7 @@ from eldr_cli.errors import EldrError
 from eldr_cli.pipeline.capacity import LOAD_BALANCERS
 
 DEFAULT_DEVICE = "H100-SXM"
+DEFAULT_DTYPES = ("bf16", "fp8")
 STAGES = ("trace", "fit", "cost model", "simulate", "replay", "write")
 REPLAY_BATCHES = (1, 4, 16, 64)
 
@@ -46,8 +47,15 @@ def default_cost_model(tr, work: Path) -> tuple[Path, str]:
                         hint="write one: eldr bench cost-model --model CONFIG.json --device H100-SXM --out CM, "
                              "then pass --cost-model CM")
     out = work / "cost-model"
-    run_cost_model(out, pick, device=DEFAULT_DEVICE)
-    return out, f"first-principles roofline, {how}, on {DEFAULT_DEVICE} (not measured)"
+    for dtype in DEFAULT_DTYPES:  # bf16 when some TP holds it, else fp8 (Llama-4-Maverick on H100s)
+        try:
+            run_cost_model(out, pick, device=DEFAULT_DEVICE, dtype=dtype)
+            break
+        except EldrError as e:
+            refused = e
+    else:
+        raise refused
+    return out, f"first-principles roofline, {how}, {dtype}, on {DEFAULT_DEVICE} (not measured)"
 
 
 def replay_text(res: dict) -> str:
