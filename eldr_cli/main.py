@@ -14,7 +14,7 @@ from pathlib import Path, PurePath
 
 import typer
 
-from eldr_cli.errors import EldrError
+from eldr_cli.errors import EldrError, InvalidParameterError
 
 app = typer.Typer(
     name="eldr",
@@ -199,7 +199,8 @@ def _print_error(e: EldrError) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and returns the exit code.
 
-    EldrError -> one ``error: ...`` line (+ hint), exit 2; click usage errors -> click's
+    EldrError (any of eldr_cli.errors, chosen by type) -> one ``error: ...`` line (+ hint), exit 2;
+    other exceptions are bugs and keep their traceback; click usage errors -> click's
     ``Error: ...`` with exit 2; Ctrl-C -> ``interrupted``, exit 130.
     """
     _register()
@@ -211,17 +212,14 @@ def run(argv: list[str] | None = None) -> int:
     click_errors, click_exits, click_aborts = _click_exception_types()
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="eldr")
+    except InvalidParameterError as e:  # the library names the parameter; say the flag that set it
+        from eldr_cli.commands._common import PARAM_FLAGS
+
+        return _print_error(e.renamed(PARAM_FLAGS))
     except EldrError as e:
         return _print_error(e)
     except KeyboardInterrupt:
         return _interrupted()
-    except (ValueError, TypeError) as e:  # the method's parameter/data checks, in the flags' words
-        from eldr_cli.commands._common import translate_stage_error
-
-        err = translate_stage_error(e)
-        if err is None:
-            raise
-        return _print_error(err)
     except click_errors as e:
         e.show()  # type: ignore[attr-defined]  # a ClickException of typer's click or of click
         return int(e.exit_code)  # type: ignore[attr-defined]

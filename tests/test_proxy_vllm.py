@@ -199,9 +199,8 @@ def test_client_disconnect_aborts_the_request_on_the_vllm_decoder(vllm_pd, proxy
         it = r.iter_lines()
         for _ in range(4):  # the decoder is streaming this request's tokens
             next(it)
-    idx = next(i for i, w in enumerate(app.state.decode) if w.id == wid)
-    dec_url, log = app.state.decode[idx].url, vllm_pd["tmp"] / f"decode{idx}.log"
-    assert dec_url == vllm_pd["decode"][idx]
+    dec_url = next(w.url for w in app.state.decode if w.id == wid)
+    log = vllm_pd["tmp"] / f"decode{vllm_pd['decode'].index(dec_url)}.log"
     _wait_for("the proxy's cancelled outcome", lambda: app.state.outcomes.get("cancelled") == 1)
     _wait_for(f"the decoder's abort of {rid}",
               lambda: any("Aborted request" in x and rid in x for x in log.read_text().splitlines()))
