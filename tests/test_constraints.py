@@ -114,3 +114,4 @@ def test_cli_prints_the_family_by_type_and_keeps_tracebacks_of_bugs(monkeypatch,
     with pytest.raises(ValueError, match="a bug"):
         main.run(["fit-idf", "--trace", "t", "--out", "o"])
     assert fit.fit_idf_cmd  # the command module stays a thin wrapper over pipeline.fit
+
