@@ -134,7 +134,7 @@ class ArtifactWriter:
         self.overwrite = overwrite
         self.input_digests = input_digests or {}  # input name -> {relative path: sha256} already computed
         self._t0 = time.perf_counter()
-        self._group = None
+        self._group: Any = None  # the zarr group, opened on first use
         self.tmp: Path | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -344,7 +344,7 @@ class Artifact:
             validate_manifest(self.manifest)
         if verify:
             verify_on_read(self)
-        self._group = None
+        self._group: Any = None  # the zarr group, opened on first use
 
     @property
     def kind(self) -> str:
