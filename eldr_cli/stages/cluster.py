@@ -174,7 +174,3 @@ class BalancedKMeans:
         out[ok] = sums[ok] / norms[ok, None]
         # an empty cluster (vanilla only) keeps its centroid
         return out
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        """Nearest centroid by cosine (unconstrained)."""
-        return (np.asarray(X) @ self.centroids_.T).argmax(axis=1).astype(np.int32)
