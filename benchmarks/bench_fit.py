@@ -201,7 +201,8 @@ def bench_peer(n, k, d, iters, seed=0):
 
 
 def bench_decision(k=16, d=20 * 128, n=20000):
-    from eldr_cli.stages.routing import RoutingModel, locality_band
+    from eldr_cli.routing import RoutingModel, make_router
+    from eldr_cli.routing.policies import locality_band
 
     rng = np.random.default_rng(0)
     C = rng.random((k, d))
@@ -218,7 +219,7 @@ def bench_decision(k=16, d=20 * 128, n=20000):
     # from handed-off counts [L, E] (transform, IDF, mask, normalize) to the decision
     L, E = 48, 128
     mask = np.sort(rng.choice(L, size=20, replace=False))
-    m = RoutingModel("count-idf", rng.random((L, E)), mask, C, tau=0.1)
+    m = make_router("eldr", k, model=RoutingModel("count-idf", rng.random((L, E)), mask, C, tau=0.1))
     counts = rng.integers(0, 20, size=(64, L, E))
     full = []
     for i in range(n // 4):

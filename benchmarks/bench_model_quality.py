@@ -43,7 +43,7 @@ def heldout_file(path: Path, sets: tuple[str, ...]) -> Path:
 def replay(trace_dir: Path, fit_dir: Path, K: int = 8, B: int = 16) -> dict:
     from eldr_cli.artifacts.trace import read_trace
     from eldr_cli.pipeline.evaluate import replay_batches
-    from eldr_cli.stages.routing import RoutingModel, make_policy
+    from eldr_cli.routing import RoutingModel, make_router
 
     tr = read_trace(trace_dir, with_picks=True)
     rm = RoutingModel.load(fit_dir / "routing")
@@ -60,12 +60,7 @@ def replay(trace_dir: Path, fit_dir: Path, K: int = 8, B: int = 16) -> dict:
     domains = tr.column("domain")
     res = {}
     for name in ("round-robin", "random", "eldr"):
-        pol = make_policy(name, K, model=rm, seed=0)
-
-        def sig(r, pol=pol):
-            return rm.signature(tr.prefill_counts[r]) if getattr(pol, "needs_signature", False) else None
-
-        rec = replay_batches(tr, rows, pol, sig, K, B, domains=domains)
+        rec = replay_batches(tr, rows, make_router(name, K, model=rm, seed=0), K, B, domains=domains)
         key = rec["step"] * K + rec["decoder"]
         order = np.argsort(key, kind="stable")
         ks, starts = np.unique(key[order], return_index=True)

@@ -234,8 +234,8 @@ def test_decode_core_matches_reference_loop():
 
 @pytest.mark.slow
 def test_simulator_calls_the_shared_routing_objects(tmp_path, monkeypatch):
-    """bench simulate must route with eldr_cli.stages.routing.make_policy (imported, not copied)."""
-    import eldr_cli.stages.routing as routing
+    """bench simulate must route with the decode router of eldr_cli.routing.make_router (imported, not copied)."""
+    import eldr_cli.routing.router as routing
     from eldr_cli.artifacts.trace import write_trace
     from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.pipeline.simulate import run_simulate
@@ -245,20 +245,14 @@ def test_simulator_calls_the_shared_routing_objects(tmp_path, monkeypatch):
     run_fit(tmp_path / "trace", tmp_path / "fit", decoders=3, figures=False, pairs=2000)
     write_cost_model(tmp_path / "cost", CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05, source="given"))
     seen = []
-    real = routing.make_policy
+    real = routing.DecodeRouter.decide
 
-    def spy(name, n, **kw):
-        p = real(name, n, **kw)
-        orig = p.choose
+    def spy(self, counts, loads, **kw):
+        d = real(self, counts, loads, **kw)
+        seen.append((self.name, d.signature == "ok", kw.get("domain")))
+        return d
 
-        def choose(loads, signature=None, domain=None):
-            seen.append((name, signature is not None, domain))
-            return orig(loads, signature=signature, domain=domain)
-
-        p.choose = choose
-        return p
-
-    monkeypatch.setattr(routing, "make_policy", spy)
+    monkeypatch.setattr(routing.DecodeRouter, "decide", spy)
     out = run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
                        routing=tmp_path / "fit", split="all", routers=["round-robin", "eldr", "domain"],
                        rates=[20.0], n_prefill=1, n_decode=3, duration_s=3, warmup_s=1, max_tokens=8)

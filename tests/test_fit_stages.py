@@ -7,10 +7,11 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 from scipy.stats import spearmanr
 
+from eldr_cli.routing import RoutingModel, make_router
+from eldr_cli.routing.policies import locality_band, split_workers_by_share
 from eldr_cli.stages.cluster import BalancedKMeans, assignment_cost, balanced_assignment
 from eldr_cli.stages.idf import ExpertIDF
 from eldr_cli.stages.layers import LayerSelector
-from eldr_cli.stages.routing import RoutingModel, locality_band, make_policy, split_workers_by_share
 from eldr_cli.stages.signature import (
     _rank,
     decode_pattern,
@@ -182,37 +183,61 @@ def test_routing_model_signature_matches_batch_signatures():
         np.testing.assert_allclose(m.signature(t.prefill_counts[r]), S[r], atol=1e-12)
 
 
+def _pick(router, loads, **kw) -> int:
+    return router.decide(None, loads, **kw).worker
+
+
 def test_baseline_policies():
     loads = [3, 0, 2, 0]
-    rr = make_policy("round-robin", 4)
-    assert [rr.choose(loads) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
-    assert make_policy("jsq", 4).choose(loads) == 1
-    p2c = make_policy("p2c", 4, seed=0)
+    rr = make_router("round-robin", 4)
+    assert [_pick(rr, loads) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
+    assert _pick(make_router("jsq", 4), loads) == 1
+    p2c = make_router("p2c", 4, seed=0)
     for _ in range(50):
-        w = p2c.choose([0, 9, 9, 9])
-        assert w in range(4)
-    picks = {make_policy("random", 4, seed=s).choose(loads) for s in range(30)}
+        assert _pick(p2c, [0, 9, 9, 9]) in range(4)
+    picks = {_pick(make_router("random", 4, seed=s), loads) for s in range(30)}
     assert picks == {0, 1, 2, 3}
-    dom = make_policy("domain", 4, domain_share={"a": 0.75, "b": 0.25})
+    dom = make_router("domain", 4, domain_share={"a": 0.75, "b": 0.25})
     assert split_workers_by_share({"a": 0.75, "b": 0.25}, 4) == {"a": [0, 1, 2], "b": [3]}
-    assert dom.choose([5, 1, 3, 0], domain="a") == 1
-    assert dom.choose([5, 1, 3, 0], domain="b") == 3
-    assert dom.choose([5, 1, 3, 0], domain=None) == 3 and dom.unlabelled == 1
+    assert _pick(dom, [5, 1, 3, 0], domain="a") == 1
+    assert _pick(dom, [5, 1, 3, 0], domain="b") == 3
+    assert _pick(dom, [5, 1, 3, 0], domain=None) == 3 and dom.facts() == {"unlabelled_domain": 1}
 
 
 def test_p2c_takes_less_loaded_of_two():
-    p = make_policy("p2c", 2, seed=0)
-    assert all(p.choose([4, 1]) == 1 for _ in range(20))
+    p = make_router("p2c", 2, seed=0)
+    assert all(_pick(p, [4, 1]) == 1 for _ in range(20))
 
 
-def test_choose_falls_back_to_the_least_loaded_healthy_worker():
-    """The "chosen decoder is down" fallback lives in the shared policy (proxy, simulator, replay)."""
-    from eldr_cli.stages.routing import make_policy
+def test_decide_falls_back_to_the_least_loaded_healthy_worker():
+    """The "chosen decoder is down" fallback lives in the decode router (proxy, simulator, replay)."""
+    rr = make_router("round-robin", 3)
+    assert _pick(rr, [0, 5, 1], healthy=[False, True, True]) == 2  # its pick (0) is down
+    assert _pick(rr, [0, 5, 1], healthy=[True, True, True]) == 1  # healthy pick kept
+    assert _pick(make_router("jsq", 3), [0, 5, 1]) == 0  # no health given: the policy's own pick
 
-    rr = make_policy("round-robin", 3)
-    assert rr.choose([0, 5, 1], healthy=[False, True, True]) == 2  # its pick (0) is down
-    assert rr.choose([0, 5, 1], healthy=[True, True, True]) == 1  # healthy pick kept
-    assert make_policy("jsq", 3).choose([0, 5, 1]) == 0  # no health given: the policy's own pick
+
+def test_router_signature_states_and_band():
+    """decide() reports where the signature came from; eldr without counts is JSQ; a wrong shape is
+    'malformed', never an exception; with counts the band decision is the locality band's."""
+    rng = np.random.default_rng(0)
+    L, E, K = 3, 8, 4
+    C = rng.random((K, 2 * E))
+    C /= np.linalg.norm(C, axis=1, keepdims=True)
+    m = RoutingModel("count", np.ones((L, E)), np.array([0, 2]), C, tau=0.05)
+    r = make_router("eldr", K, model=m)
+    assert r.needs_signature and r.tau == 0.05
+    d = r.decide(None, [2, 0, 1, 3])
+    assert (d.worker, d.signature, d.band) == (1, "missing", None)
+    bad = r.decide(np.ones((L + 1, E)), [2, 0, 1, 3])
+    assert (bad.worker, bad.signature) == (1, "malformed")
+    counts = rng.integers(0, 5, size=(L, E))
+    d = r.decide(counts, [0, 0, 0, 0], key=7)
+    ref = locality_band(m.signature(counts), C, [0, 0, 0, 0], 0.05)
+    assert d.signature == "ok" and d.worker == ref.worker and list(d.band) == list(ref.band)
+    # a key names the request: its signature is computed once (offline callers replay rows many times)
+    assert r.decide(np.zeros((L, E)), [0, 0, 0, 0], key=7).worker == d.worker
+    assert make_router("jsq", K).decide(counts, [1, 0, 1, 1]).signature == "unused"
 
 
 def test_gram_distances_do_not_depend_on_blas_threads():

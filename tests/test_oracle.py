@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eldr_cli.stages.oracle import OracleModel, OraclePolicy, decode_patterns, oracle_share
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing import make_router
+from eldr_cli.routing.oracle import OracleModel, decode_patterns, oracle_share
+from eldr_cli.routing.policies import POLICIES
 
 
 def test_oracle_is_not_offered_to_the_proxy():
@@ -21,15 +22,16 @@ def test_oracle_groups_rows_by_their_decode_pattern():
     for r in range(R):  # domain d decodes on experts [8d, 8d+8)
         counts[r, :, 8 * dom[r]:8 * dom[r] + 8] = rng.integers(1, 5, size=(L, 8))
     om = OracleModel(counts, np.arange(R), K, tau=0.0)
-    pol = OraclePolicy(K, om)
+    router = make_router("oracle", K, oracle=om)
     loads = [0] * K
-    chosen = [pol.choose(loads, signature=om.signature(r)) for r in range(R)]
+    chosen = [router.decide(None, loads, key=r).worker for r in range(R)]
     # every domain lands on exactly one worker, and distinct domains on distinct workers
     by_dom = {d: {c for c, dd in zip(chosen, dom, strict=True) if dd == d} for d in range(K)}
     assert all(len(v) == 1 for v in by_dom.values())
     assert len({next(iter(v)) for v in by_dom.values()}) == K
-    # no signature -> least-loaded worker
-    assert pol.choose([3, 1, 2, 5], signature=None) == 1
+    # a request the oracle was not fitted on (no decode pattern) -> least-loaded worker
+    d = router.decide(None, [3, 1, 2, 5], key=R + 1)
+    assert (d.worker, d.signature) == (1, "missing")
 
 
 def test_patterns_are_unit_and_share_arithmetic():

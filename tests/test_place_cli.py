@@ -9,7 +9,7 @@ from eldr_cli.artifacts.store import Artifact
 from eldr_cli.artifacts.trace import read_trace, write_trace
 from eldr_cli.main import run
 from eldr_cli.pipeline.fit import run_fit
-from eldr_cli.stages.routing import RoutingModel
+from eldr_cli.routing import RoutingModel
 from eldr_cli.synth import synthetic_trace
 
 pytestmark = pytest.mark.slow  # fits a routing artifact (~7 s)

@@ -13,7 +13,8 @@ from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SIGNATURE_KEY
 from eldr_cli.proxy import ProxyConfig, build_config, create_app
 from eldr_cli.proxy.health import parse_running
-from eldr_cli.stages.routing import RoutingModel, make_policy
+from eldr_cli.routing import RoutingModel, make_router
+from eldr_cli.routing.policies import DomainPolicy
 from eldr_cli.testing.stub_worker import fake_counts
 
 PROMPTS = [f"request {i}: explain topic number {i * 7} in a few words" for i in range(12)]
@@ -68,12 +69,13 @@ def test_pd_protocol_legs_and_usage(cluster):
 
 def test_eldr_decision_is_the_shared_band_decision(cluster, routing3):
     model = RoutingModel.load(routing3)
+    router = make_router("eldr", 3, model=model)
     seen = set()
     for p in PROMPTS:
         r = httpx.post(cluster.url + "/v1/completions", json={"model": "m", "prompt": p, "max_tokens": 2})
         assert r.status_code == 200
         # sequential requests: every decoder has 0 in flight at decision time
-        expected = model.decide(fake_counts(p), [0, 0, 0]).worker
+        expected = router.decide(fake_counts(p), [0, 0, 0]).worker
         assert r.headers["x-eldr-decode-worker"] == f"d{expected}"
         seen.add(expected)
     assert cluster.metric("eldr_proxy_decisions_total", policy="eldr") == len(PROMPTS)
@@ -188,7 +190,7 @@ def test_domain_policy_uses_header(routing3):
     c = Cluster(routing=str(routing3), policy="domain")
     try:
         model = RoutingModel.load(routing3)
-        groups = make_policy("domain", 3, model=model).groups
+        groups = DomainPolicy(3, domain_share=model.domain_share).groups
         for dom, workers in groups.items():
             r = httpx.post(c.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                            headers={"X-Eldr-Domain": dom})

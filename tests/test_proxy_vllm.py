@@ -26,7 +26,7 @@ from _proxy_util import build_routing
 
 from eldr_cli.data import prompts_file
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.stages.routing import locality_band
+from eldr_cli.routing.policies import locality_band
 from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread
 

@@ -75,7 +75,7 @@ def test_wheel_installs_and_fits_outside_the_checkout(wheel, tmp_path):
 import json, sys
 import eldr_cli
 from eldr_cli.artifacts import store
-from eldr_cli.stages.routing import RoutingModel
+from eldr_cli.routing import RoutingModel
 for sub, kind in (("fit", "fit"), ("fit/idf", "idf"), ("fit/layers", "layers"), ("fit/routing", "routing")):
     store.Artifact(sub, kind=kind)  # validates the manifest against the installed JSON Schema
 model = RoutingModel.load("fit/routing")

@@ -18,8 +18,8 @@ import numpy as np
 
 from eldr_cli.bench.figures import MODE_LABEL
 from eldr_cli.errors import EldrError
+from eldr_cli.routing import LOAD_BALANCERS
 
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 MODES = ("real", "emulated", "simulated")
 HEADLINE = ("median_tpot_ms", "p99_tpot_ms", "median_ttft_ms")
 

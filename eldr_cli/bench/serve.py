@@ -268,7 +268,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
 
     from eldr_cli.bench.results import MODES, write_bench
     from eldr_cli.bench.workload import load_prompts
-    from eldr_cli.stages.routing import POLICIES
+    from eldr_cli.routing.policies import POLICIES
 
     if not (url.startswith("http://") or url.startswith("https://")):
         raise EldrError(f"--url {url!r} is not an http(s) URL")

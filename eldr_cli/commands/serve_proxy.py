@@ -13,7 +13,11 @@ def serve_proxy_cmd(
     prefill: List[str] = typer.Option([], "--prefill", help="Prefill worker URL (repeatable)."),
     decode: List[str] = typer.Option([], "--decode", help="Decode worker URL (repeatable); position i = centroid i."),
     policy: Optional[str] = typer.Option(None, "--policy",
-                                         help="eldr, round-robin, jsq, p2c, random or domain (default eldr)."),
+                                         help="eldr, eldr-live, round-robin, jsq, p2c, random or domain "
+                                              "(default eldr)."),
+    cost_model: Optional[Path] = typer.Option(None, "--cost-model",
+                                              help="Cost-model artifact eldr-live predicts step times with "
+                                                   "(default: a relative shape of the paper's Fig. 2)."),
     tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the artifact's tau)."),
     host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="Port (default 8000)."),
@@ -38,6 +42,7 @@ def serve_proxy_cmd(
     from eldr_cli.proxy import build_config, serve
 
     cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
+                       cost_model=str(cost_model) if cost_model else None,
                        policy=policy, tau=tau, host=host, port=port, admin_token=admin_token,
                        decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
                        log_level=log_level, state=state, workers=workers)

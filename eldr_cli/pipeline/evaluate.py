@@ -1,7 +1,7 @@
 """`eldr place-experts evaluate`: replay held-out decode through the routing policy and score placements.
 
 :func:`run_evaluate_placement` replays the trace's held-out decode steps: each request is routed to a
-decoder by the shared routing policy (:func:`eldr_cli.stages.routing.make_policy`), decoders run
+decoder by the decode router (:func:`eldr_cli.routing.make_router`), decoders run
 continuous decode batches (:func:`replay_batches`), and every batch step is scored by the METRO metric
 (max activated experts on any EP rank) for the three layouts of a ``placement`` artifact, against the
 bound ceil(active / R) (:func:`score_batches`).
@@ -17,15 +17,16 @@ from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline import checks
-from eldr_cli.pipeline.place import LAYOUTS, check_routing_matches_trace, load_routing
+from eldr_cli.pipeline.place import LAYOUTS, check_routing_matches_trace
+from eldr_cli.routing import DecodeRouter, load_routing_artifact
 
 
-def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decoders: int, batch_size: int,
+def replay_batches(trace: Trace, rows: np.ndarray, router: DecodeRouter, n_decoders: int, batch_size: int,
                    domains=None) -> dict[str, np.ndarray]:
     """Closed-loop decode replay: at most K*B requests in flight over all decoders.
 
     Requests of ``rows`` arrive in order whenever the pool has room; each is routed by
-    ``policy.choose(loads, signature, domain)`` with loads = in-flight requests per decoder (as the
+    ``router.decide(prefill counts, loads, domain)`` with loads = in-flight requests per decoder (as the
     proxy tracks them). Every global step each decoder decodes one token for all its in-flight
     requests (its batch), replaying the request's next recorded decode step. Returns parallel
     int64 arrays ``step``, ``decoder``, ``request`` (trace row), ``request_step`` -- one row per
@@ -47,10 +48,12 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
             r = queue[qi]
             qi += 1
             loads = [len(x) for x in inflight]
-            d = policy.choose(loads, signature=signature_of(r),
-                              domain=None if domains is None else domains[r])
+            counts = trace.prefill_counts[r] if router.needs_signature else None
+            dec = router.decide(counts, loads, domain=None if domains is None else domains[r], key=r)
+            d = dec.worker
             if not 0 <= d < n_decoders:
                 raise EldrError(f"routing policy chose decoder {d} of {n_decoders}")
+            router.on_dispatch(dec, r)
             inflight[d].append([r, 0])
             assigned[r] = d
             total += 1
@@ -67,6 +70,8 @@ def replay_batches(trace: Trace, rows: np.ndarray, policy, signature_of, n_decod
             if done:
                 inflight[d] = [x for x in inflight[d] if x[1] < n_steps[x[0]]]
                 total -= len(done)
+                for x in done:
+                    router.on_finish(d, x[0])
         t += 1
     out = {k: np.asarray(v, dtype=np.int64) for k, v in cols.items()}
     out["assigned"] = np.asarray([assigned.get(int(r), -1) for r in rows], dtype=np.int64)
@@ -122,7 +127,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
     """Replay held-out decode through the routing policy and score the three layouts (METRO metric)."""
     import polars as pl
 
-    from eldr_cli.stages.routing import RoutingModel, make_policy
+    from eldr_cli.routing import RoutingModel, make_router
 
     checks.check_batch_size(batch_size)
     checks.check_tau(tau)
@@ -130,7 +135,7 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
     if trace.decode_picks is None:
         raise EldrError(f"trace {trace.path} has no per-step decode picks (decode_picks); evaluation replays them",
                         hint="capture with per-step picks (the default of `eldr capture`)")
-    routing = load_routing(routing_path)
+    routing = load_routing_artifact(routing_path)
     check_routing_matches_trace(routing, trace)
     plc = Artifact(placement_path, kind="placement")
     K = checks.check_k_matches(routing, plc.params["n_decoders"], what=f"placement {plc.path} n_decoders")
@@ -146,19 +151,10 @@ def run_evaluate_placement(trace_path, routing_path, placement_path, out, *, bat
                "global_eplb": plc.array("global_eplb_physical_to_logical"),
                "per_decoder": plc.array("per_decoder_physical_to_logical")}
     model = RoutingModel.load(routing.path)
-    pol = make_policy(policy, K, model=model, tau=tau, seed=seed)
+    router = make_router(policy, K, model=model, tau=tau, seed=seed)
     rows = np.flatnonzero(trace.split_mask(split))
-    sig_cache: dict[int, np.ndarray] = {}
-
-    def signature_of(r: int):
-        if not getattr(pol, "needs_signature", False):
-            return None
-        if r not in sig_cache:
-            sig_cache[r] = model.signature(trace.prefill_counts[r])
-        return sig_cache[r]
-
     domains = trace.column("domain")
-    rec = replay_batches(trace, rows, pol, signature_of, K, int(batch_size), domains=domains)
+    rec = replay_batches(trace, rows, router, K, int(batch_size), domains=domains)
     if rec["step"].size == 0:
         raise EldrError(f"the {split} requests of {trace.path} have no decode steps to replay")
     sc = score_batches(trace, rec, layouts, R)

@@ -119,6 +119,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     with blas_threads(1):
         km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
     fit_s = time.perf_counter() - t0
+    live = _fit_decode_activation(S, trace, rows, seed)
     labels = np.full(trace.n_requests, -1, dtype=np.int32)
     assert km.labels_ is not None  # set by fit
     labels[rows] = km.labels_
@@ -130,13 +131,17 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                                 "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
                                 "num_layers": trace.num_layers, "num_experts": trace.num_experts,
                                 "top_k": trace.top_k, "model": trace.model.get("model"),
-                                "domain_share": share},
+                                "domain_share": share,
+                                "live_prototypes": None if live is None else int(live.prototypes_.shape[0])},
                         inputs={"trace": trace_path, "layers": layers_path}) as w:
         w.write_array("weights", weights)
         w.write_array("idf", lay.array("idf"))
         w.write_array("mask", mask)
         w.write_array("centroids", km.centroids_)
         w.write_array("labels", labels)
+        if live is not None:  # what the eldr-live policy predicts a request's decode experts from
+            w.write_array("live_prototypes", live.prototypes_)
+            w.write_array("live_activation", live.activation_)
         w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
                           "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
                           "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
@@ -148,6 +153,17 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                 plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
             w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)
+
+
+def _fit_decode_activation(S: np.ndarray, trace: Trace, rows: np.ndarray, seed: int):
+    """The eldr-live decode-activation model of the calibration rows (None when they have no decode)."""
+    from eldr_cli.stages.live import DecodeActivation
+
+    steps = np.asarray(trace.decode_steps)[rows]
+    if int((steps > 0).sum()) < 2:
+        return None
+    with blas_threads(1):
+        return DecodeActivation(seed=seed).fit(S, np.asarray(trace.decode_counts[rows]), steps)
 
 
 def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: str = "auto", seed: int = 0,

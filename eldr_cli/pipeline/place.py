@@ -18,20 +18,13 @@ from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline import checks
+from eldr_cli.routing import load_routing_artifact
 
 LAYOUTS = ("contiguous", "global_eplb", "per_decoder")
 EXPORT_FORMAT = "eldr.expert-placement.v1"
 
 
 # -- inputs ---------------------------------------------------------------------------------------
-
-def load_routing(routing_path) -> Artifact:
-    """The routing artifact (a ``fit`` directory is accepted: its ``routing`` sub-artifact)."""
-    art = Artifact(routing_path, kind=("routing", "fit"))
-    if art.kind == "fit":
-        art = Artifact(Path(routing_path) / "routing", kind="routing")
-    return art
-
 
 def check_routing_matches_trace(routing: Artifact, trace: Trace) -> None:
     checks.check_same_trace(routing, trace, "routing artifact")
@@ -107,7 +100,7 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     check_ep_size(trace.num_experts, ep_size)
     check_ep_size(trace.num_experts, ep_size, redundant_experts)
     checks.check_batch_size(batch_size)
-    routing = load_routing(routing_path)
+    routing = load_routing_artifact(routing_path)
     check_routing_matches_trace(routing, trace)
     K = checks.check_k_matches(routing, decoders)
     rows, lab = _labelled_rows(trace, routing, K, split)

@@ -4,8 +4,8 @@ a property of the trace and the routing decision alone.
 
 For each policy and batch size B, the served rows (repeated in seeded shuffled passes until there are
 at least ``PASSES_MIN x K x B`` requests) go through :func:`eldr_cli.pipeline.evaluate.replay_batches`:
-K decoders, at most K x B requests in flight, each routed at admission by the shared routing object
-(``stages.routing.make_policy``) or by the ``oracle`` (``stages.oracle``: balanced clusters fitted on the
+K decoders, at most K x B requests in flight, each routed at admission by the decode router
+(``routing.make_router``), the ``oracle`` included (``routing.oracle``: balanced clusters fitted on the
 *decode* patterns of the served rows themselves, the same band rule). Every (step, decoder) batch is
 scored by the union of its members' current-step picks: distinct active experts per layer (mean over
 layers). Only steady-state steps count (while requests were still waiting, so every pool was full).
@@ -17,24 +17,19 @@ the share of the distance from the best load balancer to the oracle that ELDR co
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing import LOAD_BALANCERS, ROUTERS
 
-REPLAY_POLICIES = (*POLICIES, "oracle")
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+REPLAY_POLICIES = ROUTERS
 DEFAULT_BATCHES = (1, 4, 16, 64)
 COLORS = {"round-robin": "tab:blue", "random": "tab:orange", "jsq": "tab:green", "p2c": "tab:olive",
           "domain": "tab:purple", "eldr": "tab:red", "oracle": "black"}
 STYLES: dict[str, dict[str, Any]] = {"eldr": {"lw": 2.2}, "oracle": {"lw": 1.6, "ls": "--"}}
 PASSES_MIN = 3  # requests per run >= 3 K B, so the steady state is most of the run
-
-
-def _no_signature(_row: int) -> None:
-    return None
 
 
 def step_masks(trace, pick_rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
@@ -87,7 +82,7 @@ def score(trace, rec: dict, masks: StepMasks) -> dict:
 
 
 def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
-    from eldr_cli.stages.oracle import oracle_share as share
+    from eldr_cli.routing.oracle import oracle_share as share
 
     return share(lb, eldr, oracle)
 
@@ -115,7 +110,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
     from eldr_cli.artifacts.trace import read_trace
     from eldr_cli.pipeline import checks
     from eldr_cli.pipeline.evaluate import replay_batches
-    from eldr_cli.stages.routing import Policy, RoutingModel, make_policy
+    from eldr_cli.routing import RoutingModel, make_router
 
     policies = list(policies or [p for p in REPLAY_POLICIES])
     for p in policies:
@@ -144,16 +139,9 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
     domains = tr.column("domain") if "domain" in tr.requests.columns else None
     oracle = None
     if "oracle" in policies:
-        from eldr_cli.stages.oracle import OracleModel
+        from eldr_cli.routing.oracle import fit_oracle
 
-        oracle = OracleModel(np.asarray(tr.decode_counts), served, K, tau=model.tau if tau is None else tau,
-                             seed=seed, signature=model.signature)
-    sigs: dict[int, np.ndarray] = {}
-
-    def eldr_sig(r: int):
-        if r not in sigs:
-            sigs[r] = model.signature(tr.prefill_counts[r])
-        return sigs[r]
+        oracle = fit_oracle(tr.decode_counts, served, K, model=model, tau=tau, seed=seed)
 
     rng = np.random.default_rng(seed)
     masks = StepMasks(tr, served)
@@ -162,18 +150,8 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
         passes = max(1, -(-PASSES_MIN * K * B // served.size))
         rows = np.concatenate([rng.permutation(served) for _ in range(passes)])
         for name in policies:
-            pol: Policy
-            sig_of: Callable[[int], np.ndarray | None]
-            if name == "oracle":
-                from eldr_cli.stages.oracle import OraclePolicy
-
-                assert oracle is not None
-                pol = OraclePolicy(K, oracle, tau=tau)
-                sig_of = oracle.signature
-            else:
-                pol = make_policy(name, K, model=model, tau=tau, seed=seed)
-                sig_of = eldr_sig if pol.needs_signature else _no_signature
-            rec = replay_batches(tr, rows, pol, sig_of, K, B, domains=domains)
+            router = make_router(name, K, model=model, tau=tau, seed=seed, oracle=oracle)
+            rec = replay_batches(tr, rows, router, K, B, domains=domains)
             results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec, masks)})
             if progress:
                 progress(name, B)

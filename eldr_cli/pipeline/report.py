@@ -140,7 +140,7 @@ def _figures(*dirs: Path | None) -> list[Path]:
 
 def _fit_decoders(fit) -> int:
     """K (decode workers) of a fit or routing artifact."""
-    from eldr_cli.stages.routing import RoutingModel
+    from eldr_cli.routing import RoutingModel
 
     return int(RoutingModel.load(fit).n_clusters)
 

@@ -3,9 +3,9 @@ arrival schedules and routing objects as the emulated cluster, in virtual time, 
 
 - prefill: PrefixHash with least-loaded fallback (the proxy's own ``PrefixHashPrefill``), FIFO
   batches up to a token budget, step time from the cost model over the batch's prompt experts;
-- handoff: the proxy's in-flight decode counts are the loads; the policy from
-  ``eldr_cli.stages.routing.make_policy`` chooses the decode worker (eldr gets the request's
-  signature from ``RoutingModel.signature(prefill counts)``, domain gets the prompt's domain);
+- handoff: the proxy's in-flight decode counts are the loads; the decode router of
+  ``eldr_cli.routing.make_router`` (the proxy's own object) chooses the decode worker from the
+  request's prefill counts, its domain and the loads;
 - decode: continuous batching with replayed per-step expert picks (eldr_cli/simulator/core.py).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule, row_ref
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing import LOAD_BALANCERS, ROUTERS, DecodeRouter, make_router
 
 
 def _prefill_chooser(n_prefill: int):
@@ -90,23 +90,38 @@ class _PrefillCost:
         return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
 
 
+class _LiveSet:
+    """The simulator's side of a stateful router's lifecycle: on_dispatch at admission, on_finish once the
+    decode engine has finished the request (checked before every handoff, which is when it matters)."""
+
+    def __init__(self, dec):
+        self.dec = dec
+        self.rids = np.zeros(0, dtype=np.int64)
+        self.new: list[int] = []
+
+    def dispatch(self, router: DecodeRouter, decision, rid: int) -> None:
+        router.on_dispatch(decision, rid)
+        self.new.append(rid)
+
+    def finish(self, router: DecodeRouter) -> None:
+        if self.new:
+            self.rids = np.concatenate([self.rids, np.asarray(self.new, dtype=np.int64)])
+            self.new = []
+        done = np.isfinite(self.dec.req_finish[self.rids])
+        if done.any():
+            for rid in self.rids[done].tolist():
+                router.on_finish(int(self.dec.req_worker[rid]), rid)
+            self.rids = self.rids[~done]
+
+
 def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
                  n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
                  seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
-                 signatures: dict | None = None, item_rows: np.ndarray | None = None,
-                 oracle=None) -> tuple[dict, dict, dict]:
+                 item_rows: np.ndarray | None = None, oracle=None) -> tuple[dict, dict, dict]:
     """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
     each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
-    from eldr_cli.stages.routing import Policy, make_policy
-
-    if router == "oracle":
-        from eldr_cli.stages.oracle import OraclePolicy
-
-        if oracle is None:
-            raise EldrError("the oracle router needs the served rows' decode patterns (run_simulate builds them)")
-        policy: Policy = OraclePolicy(n_decode, oracle, tau=tau)
-    else:
-        policy = make_policy(router, n_decode, model=model, tau=tau, seed=seed)
+    policy: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle,
+                                       cost=replay.cost)
     n = len(schedule)
     if item_rows is not None:
         req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
@@ -125,11 +140,11 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     busy = [False] * n_prefill
     events: list = []
     seq = 0
-    sigs = signatures if signatures is not None else {}
     prefill_done_t = np.full(n, np.nan)
     ptoks = replay.prompt_tokens
     req_tok = ptoks[req_row].tolist()
     prefill_ms = _PrefillCost(replay)
+    live = _LiveSet(dec) if policy.stateful else None
 
     def start_prefill(p: int, t: float):
         nonlocal seq
@@ -158,21 +173,22 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
         busy[p] = False
         ppool.workers[p].inflight -= len(batch)
         dec.advance(t)
+        if live is not None:
+            live.finish(policy)
         for rid in batch:
             prefill_done_t[rid] = t
             row = int(req_row[rid])
-            sig = None
-            if router == "oracle":
-                sig = oracle.signature(row)
-            elif policy.needs_signature:
-                sig = sigs.get(row)
-                if sig is None:
-                    sig = sigs[row] = model.signature(replay.prefill_counts(row))
-            d = policy.choose(dec.inflight, signature=sig, domain=prompts[schedule.prompt_index[rid]].domain)
-            dec.admit(int(d), rid, t)
+            counts = replay.prefill_counts(row) if policy.needs_signature else None
+            d = policy.decide(counts, dec.inflight, domain=prompts[schedule.prompt_index[rid]].domain, key=row,
+                              tokens=req_tok[rid] + max_tokens // 2)
+            dec.admit(d.worker, rid, t)
+            if live is not None:
+                live.dispatch(policy, d, rid)
         if pq[p]:
             start_prefill(p, t)
     dec.advance(np.inf)
+    if live is not None:
+        live.finish(policy)
     # per-request columns, vectorized (a heavy run has ~15k requests)
     sent = np.asarray(offsets, dtype=np.float64)
     first, fin, ntok = dec.req_first, dec.req_finish, dec.req_ntok
@@ -194,8 +210,7 @@ def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Sched
     # decode steps past a row's captured ones replay its steps again from the first (wrap)
     wrapped = int((replay.steps[req_row] < max_tokens).sum())
     facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped}
-    if hasattr(policy, "unlabelled"):
-        facts["unlabelled_domain"] = int(policy.unlabelled)
+    facts.update(policy.facts())
     return cols, dec.step_log(), facts
 
 
@@ -215,7 +230,7 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     from eldr_cli.bench.results import write_bench
     from eldr_cli.bench.workload import load_prompts
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.stages.routing import RoutingModel
+    from eldr_cli.routing import RoutingModel
 
     for r in routers:
         if r not in SIM_POLICIES:
@@ -228,27 +243,25 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     model = RoutingModel.load(routing) if routing is not None else None
     check_compatible(replay, model)
     check_cost_model(replay, cost_model)
-    if model is None and any(r in ("eldr", "domain") for r in routers):
-        raise EldrError("the eldr and domain routers need --routing (a routing or fit artifact)")
+    if model is None and any(r in ("eldr", "eldr-live", "domain") for r in routers):
+        raise EldrError("the eldr, eldr-live and domain routers need --routing (a routing or fit artifact)")
     if prompts is not None:
         items, item_rows = load_prompts(prompts), None
     else:  # serve the trace's own rows; prompt text is optional
         items, item_rows = trace_items(replay, split)
     oracle = None
     if "oracle" in routers:
-        from eldr_cli.stages.oracle import OracleModel
+        from eldr_cli.routing.oracle import fit_oracle
 
         served = item_rows if item_rows is not None else np.array([replay.match(it.prompt)[0] for it in items])
-        oracle = OracleModel(np.asarray(tr.decode_counts), served, n_decode, seed=seed,
-                             tau=tau if tau is not None else (model.tau if model is not None else 0.1),
-                             signature=model.signature if model is not None else None)
+        oracle = fit_oracle(tr.decode_counts, served, n_decode, model=model, tau=tau, seed=seed)
     t0 = time.perf_counter()
     runs, req_rows, step_frames = [], [], []
     scheds = {rate: build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s,
                                    burstiness=burstiness, seed=seed) for rate in rates}
     tasks = [(rate, router) for rate in rates for router in routers]
     kw: dict = dict(n_prefill=n_prefill, n_decode=n_decode, max_tokens=max_tokens, model=model, tau=tau, seed=seed,
-                    max_seqs=max_seqs, signatures={}, item_rows=item_rows, oracle=oracle)
+                    max_seqs=max_seqs, item_rows=item_rows, oracle=oracle)
     n_req = sum(len(scheds[r]) for r, _ in tasks)
     for (rate, router), (rows, steps, facts) in zip(tasks, _run_tasks(replay, items, scheds, tasks, kw, workers,
                                                                        n_req), strict=True):
@@ -314,14 +327,13 @@ def _run_tasks(replay, items, scheds, tasks, kw, workers, n_req):
         _JOB.clear()
 
 
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
-SIM_POLICIES = (*POLICIES, "oracle")
+SIM_POLICIES = ROUTERS
 
 
 def oracle_shares(runs: list[dict]) -> list[dict]:
     """Per rate and metric: the best load balancer, ELDR, the oracle, and the share (%) of the
     balancer-to-oracle distance ELDR covers (None when a run or the gap is missing)."""
-    from eldr_cli.stages.oracle import oracle_share
+    from eldr_cli.routing.oracle import oracle_share
 
     out = []
     for rate in sorted({r["request_rate"] for r in runs}):

@@ -2,7 +2,7 @@
 
 - :func:`create_app` builds the ASGI app from a :class:`ProxyConfig` (tests, demo, emulator use it in-process);
 - :func:`serve` runs it in the foreground (uvicorn); tests use :mod:`eldr_cli.testing`.
-The decode decision itself is made by the shared policies of :mod:`eldr_cli.stages.routing`.
+The decode decision itself is made by the one decode router of :mod:`eldr_cli.routing`.
 """
 
 from eldr_cli.proxy.app import ProxyApp, create_app

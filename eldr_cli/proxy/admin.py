@@ -13,7 +13,7 @@ from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError, InvalidParameterError
 from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
-from eldr_cli.stages.routing import RoutingModel
+from eldr_cli.routing import RoutingModel
 
 log = logging.getLogger("eldr.proxy")
 
@@ -123,10 +123,10 @@ class AdminMixin(AppParts):
         except InvalidParameterError as e:
             raise Refused(str(e)) from None
         try:
-            policy = st._make(name, len(st.decode), st.model, tau)
+            router = st.make(name, len(st.decode), st.model, tau)
         except EldrError as e:
             raise Refused(str(e)) from None
-        st.policy, st.policy_name, st.tau_override = policy, name, tau
+        st.router, st.tau_override = router, tau
         return self._pools()
 
     def _admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class AdminMixin(AppParts):
         except ValueError as e:
             raise Refused(str(e), status=409) from None
         if role == "decode":
-            st.policy = st._make(st.policy_name, len(st.decode), st.model, st.tau_override)
+            st.router = st.make(st.policy_name, len(st.decode), st.model, st.tau_override)
         return self._pools()
 
     def _admin_reload(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +180,7 @@ class AdminMixin(AppParts):
                            f"{n} workers; refit with `eldr fit --decoders {n}` or pass the matching pool "
                            f"in \"decode\"", status=409)
         try:
-            policy = st._make(st.policy_name, n, model, st.tau_override)
+            router = st.make(st.policy_name, n, model, st.tau_override)
         except EldrError as e:
             raise Refused(str(e)) from None
         if new_urls is not None:  # swap the decode pool: keep workers that stay, open new, drain removed
@@ -201,5 +201,5 @@ class AdminMixin(AppParts):
                     self._open(w)
                     ordered.append(w)
             st.decode.workers = ordered
-        st.model, st.routing_path, st.policy = model, path, policy
+        st.model, st.routing_path, st.router = model, path, router
         return self._pools()

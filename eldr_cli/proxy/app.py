@@ -9,9 +9,9 @@ PD flow per request (vLLM's disaggregated-serving protocol, as its NIXL proxy sp
    present), ``min_tokens``/``stream_options`` removed and ``kv_transfer_params`` asking for remote
    decode. Error or timeout: one retry on another prefill worker, then 502 with the reason.
 2. handoff: pop ``eldr_signature`` from the returned ``kv_transfer_params`` (eldr_cli.handoff),
-   turn it into a signature with ``RoutingModel.signature`` and let the shared policy object from
-   ``eldr_cli.stages.routing`` choose the decode worker from the live in-flight loads. A missing or
-   malformed signature is routed by JSQ (EldrPolicy's own fallback) and counted, never an error.
+   decode its counts and let the proxy's one decode router (``eldr_cli.routing.DecodeRouter``) choose the
+   decode worker from the live in-flight loads. A missing or malformed signature is routed by JSQ (the
+   eldr policy's own fallback) and counted, never an error.
 3. decode leg -> the chosen decode worker: the client's original body with the returned
    ``kv_transfer_params`` (without ``eldr_signature``; ``null`` passes as ``null``); the answer is
    relayed as is (SSE chunk by chunk when streaming), so usage counts the prompt once.

@@ -1,4 +1,4 @@
-"""What the proxy's concern modules share: :class:`ProxyState` (pools, policy, routing model, counters)
+"""What the proxy's concern modules share: :class:`ProxyState` (pools, decode router, routing model, counters)
 and :class:`AppParts`, the attributes and helpers of :class:`eldr_cli.proxy.app.ProxyApp` that the
 exchange, admin and health mixins use (declared here so each module type-checks on its own)."""
 
@@ -10,36 +10,60 @@ from typing import TYPE_CHECKING, Any
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.sharedstate import make_shared_state
 from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
-from eldr_cli.stages.routing import Policy, RoutingModel, make_policy
+from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
     from eldr_cli.proxy.metrics import ProxyMetrics
 
 
+def load_step_cost(path: str | None, model: RoutingModel | None) -> Any:
+    """The cost model eldr-live predicts with; a roofline of another model (L or E) than the routing artifact's
+    is refused naming both."""
+    if path is None:
+        return None
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.errors import EldrError
+
+    cost = CostModel.load(path)
+    p = Artifact(path).params
+    shape = (p.get("n_layers"), p.get("num_experts"))
+    if model is not None and p.get("source") == "roofline" and shape != model.shape:
+        raise EldrError(f"--cost-model {path} describes {p.get('model')} (L={shape[0]}, E={shape[1]}) but the "
+                        f"routing artifact is of a model with L={model.shape[0]}, E={model.shape[1]}",
+                        hint="write a cost model of the served model: eldr bench cost-model --model CONFIG")
+    return cost
+
+
 class ProxyState:
-    """Everything one proxy instance knows: pools, policy, routing model, counters."""
+    """Everything one proxy instance knows: pools, the decode router, routing model, counters. An admin
+    change replaces ``router`` as a whole (built by ``make``); nothing else chooses a decode worker."""
 
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg
         self.prefill = WorkerPool("prefill", cfg.prefill)
         self.decode = WorkerPool("decode", cfg.decode)
         self.model = RoutingModel.load(cfg.routing) if cfg.routing else None
+        self.cost = load_step_cost(cfg.cost_model, self.model)
         self.routing_path = cfg.routing
         self.tau_override = cfg.tau
-        self.policy_name = cfg.policy
-        self.policy = self._make(cfg.policy, len(self.decode), self.model, cfg.tau)
+        self.router = self.make(cfg.policy, len(self.decode), self.model, cfg.tau)
         self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
         self.in_progress = 0
         self.started = 0
         self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
         self.outcomes: dict[str, int] = {}
 
-    def _make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> Policy:
-        return make_policy(name, n, model=model, tau=tau, seed=self.cfg.seed)
+    def make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> DecodeRouter:
+        return make_router(name, n, model=model, tau=tau, seed=self.cfg.seed, cost=self.cost)
+
+    @property
+    def policy_name(self) -> str:
+        return self.router.name
 
     def tau_effective(self) -> float:
-        tau = getattr(self.policy, "tau", None)
+        tau = self.router.tau
         if tau is not None:
             return float(tau)
         if self.tau_override is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError
-from eldr_cli.stages.routing import POLICIES
+from eldr_cli.routing.policies import POLICIES
 
 
 @dataclass
@@ -23,6 +23,7 @@ class ProxyConfig:
     decode: list[str] = field(default_factory=list)
     routing: str | None = None          # routing (or fit) artifact dir; needed by eldr and domain
     policy: str = "eldr"
+    cost_model: str | None = None       # the step cost model eldr-live predicts with (None: relative default)
     tau: float | None = None            # None -> the tau stored in the routing artifact
     seed: int = 0                       # for random / p2c
     host: str = "127.0.0.1"
@@ -69,7 +70,7 @@ class ProxyConfig:
         from eldr_cli.proxy.sharedstate import parse_state_url
 
         self.state = parse_state_url(self.state)
-        if self.policy in ("eldr", "domain") and not self.routing:
+        if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None:
             self.tau = validate_parameter("tau", self.tau, what="--tau")

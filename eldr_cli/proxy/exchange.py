@@ -1,5 +1,5 @@
 """The PD exchange of one client request (vLLM's disaggregated-serving protocol; see eldr_cli.proxy.app):
-read and check the body, prefill leg, the handoff decision by the shared policy, decode leg streamed back.
+read and check the body, prefill leg, the handoff decision by the decode router, decode leg streamed back.
 Every request carries a typed :class:`RequestContext` and ends in exactly one terminal outcome."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.http import (
@@ -31,8 +30,8 @@ from eldr_cli.proxy.http import (
     wait_disconnect,
 )
 from eldr_cli.proxy.upstream import UpstreamHTTPError
-from eldr_cli.proxy.workers import DOWN_LOAD, Worker, prompt_key
-from eldr_cli.stages.routing import jsq
+from eldr_cli.proxy.workers import Worker, prompt_key
+from eldr_cli.routing import Decision, DecodeRouter
 
 log = logging.getLogger("eldr.proxy")
 
@@ -54,6 +53,17 @@ class RequestContext:
     policy: str | None = None
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
+
+
+def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
+    """The KV tokens the request will hold on its decoder, on average over its decode: the prompt (from the
+    prefill answer's usage) plus half its output budget. None when the prefill worker did not say."""
+    usage = answer.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+        return None
+    out = body.get("max_completion_tokens", body.get("max_tokens"))
+    return prompt + (out // 2 if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0)
 
 
 class ExchangeMixin(AppParts):
@@ -203,11 +213,14 @@ class ExchangeMixin(AppParts):
             await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
             return "upstream_error"
 
-        # 2. handoff: signature -> shared policy decision
+        # 2. handoff: signature -> the decode router's decision
         ktp = answer.get("kv_transfer_params")
         if not isinstance(ktp, dict):
             ktp = None
-        idx, loads = self._decide(ctx, ktp)
+        counts, sig_state = self._handoff_counts(ktp)
+        router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
+        tokens = _context_tokens(answer, body)
+        choice = self._decide(ctx, router, counts, sig_state, tokens)
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
         dec = dict(body)
@@ -216,59 +229,69 @@ class ExchangeMixin(AppParts):
         stream = bool(body.get("stream"))
         tried = set()
         while True:
+            idx = choice.worker
             dw = st.decode.workers[idx]
             tried.add(dw.id)
             ctx.decode = dw.id
+            router.on_dispatch(choice, ctx.rid)
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except ConnectFailed as e:
                 m.child(m.upstream_errors, "decode", dw.id, "connect").inc()
-                loads = [DOWN_LOAD if w.id in tried else l for w, l in zip(st.decode.workers, loads, strict=True)]
-                nxt = jsq(loads)
-                if st.decode.workers[nxt].id in tried or len(tried) >= 2:
+                # one retry: the same router decides again among the healthy workers not tried yet
+                up = [w.healthy and w.id not in tried for w in st.decode.workers]
+                if len(tried) >= 2 or not any(up):
                     ctx.reason = f"decode worker {dw.id} ({dw.url}) unreachable: {e}"
                     await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
                     return "upstream_error"
                 m.child(m.retries, "decode").inc()
-                idx = nxt
+            finally:
+                router.on_finish(idx, ctx.rid)
+            choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
+                                   healthy=up, tokens=tokens)
 
-    def _decide(self, ctx: RequestContext, ktp: dict[str, Any] | None) -> tuple[int, list[int]]:
+    def _handoff_counts(self, ktp: dict[str, Any] | None) -> tuple[Any, str]:
+        """The handed-off prefill counts [L, E] (None when missing, malformed or not needed) and their state."""
+        enc = pop_signature(ktp)
+        if enc is None:
+            self.metrics.child(self.metrics.signature_missing, "missing").inc()
+            return None, "missing"
+        if not self.state.router.needs_signature:
+            return None, "unused"
+        try:
+            return decode_counts(enc), "ok"
+        except SignatureDecodeError:
+            self.metrics.child(self.metrics.signature_missing, "malformed").inc()
+            return None, "malformed"
+
+    def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
+                tokens: int | None) -> Decision:
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
-        policy = st.policy
-        enc = pop_signature(ktp)
-        signature = None
-        sig_state = "ok"
-        if enc is None:
-            sig_state = "missing"
-        elif policy.needs_signature and st.model is not None:
-            try:
-                signature = st.model.signature(decode_counts(enc))
-            except (SignatureDecodeError, EldrError):
-                sig_state = "malformed"
-        if sig_state != "ok":
-            m.child(m.signature_missing, sig_state).inc()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        idx = policy.choose(loads, signature=signature, domain=ctx.domain,
-                            healthy=[w.healthy for w in st.decode.workers])
+        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
+                          tokens=tokens)
         dt = time.perf_counter() - t0
-        pname = st.policy_name
+        if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
+            sig_state = "malformed"
+            m.child(m.signature_missing, sig_state).inc()
+        pname = router.name
         ctx.policy = pname
         m.child(m.decision_seconds, pname).observe(dt)
-        last = getattr(policy, "last", None) if signature is not None else None
-        if last is not None:
-            m.band_size.observe(len(last.band))
-        wid = st.decode.workers[idx].id
+        if d.band is not None:
+            m.band_size.observe(len(d.band))
+        wid = st.decode.workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
         if self.decision_log is not None:
             self.decision_log.write({
                 "ts": time.time(), "request_id": ctx.rid, "policy": pname, "tau": st.tau_effective(),
-                "signature": sig_state if policy.needs_signature or enc is None else "unused",
-                "similarities": None if last is None else last.similarities.tolist(),
-                "band": None if last is None else last.band.tolist(),
-                "loads": [int(x) for x in loads], "chosen": int(idx), "worker": wid,
+                "signature": sig_state,
+                "similarities": None if d.similarities is None else d.similarities.tolist(),
+                "band": None if d.band is None else d.band.tolist(),
+                "predicted_ms": None if d.predicted_ms is None else [round(float(x), 4) for x in d.predicted_ms],
+                "loads": [int(x) for x in loads], "chosen": d.worker, "worker": wid,
                 "domain": ctx.domain, "decision_us": round(dt * 1e6, 2)})
-        return idx, loads
+        return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1

@@ -11,7 +11,7 @@ Semantics (the same as the emulator's decode worker, eldr_cli/emulator/workers.p
 - an idle worker starts a step as soon as a request arrives.
 
 The loops are numba-compiled (``nopython``): 8P16D x 5 rates x 150 s x 7 routers is millions of steps
-and ~10^8 request-steps. The routing decision stays in Python and calls ``eldr_cli.stages.routing`` (see
+and ~10^8 request-steps. The routing decision stays in Python and calls the router of ``eldr_cli.routing`` (see
 simulate.py); admissions are queued in Python and applied by the next :meth:`DecodePool.advance`, so a
 prefill hand-off costs one compiled call. State lives in a few packed arrays because every array
 argument of a compiled call costs a type check on each of the ~10^5 calls of a run.

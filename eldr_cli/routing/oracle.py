@@ -2,7 +2,7 @@
 
 It knows what no router can know at admission: each request's *decode* expert pattern. Balanced
 clusters (K = decode workers) are fitted on the decode counts of the very rows being served, and
-requests are routed by the same locality-band rule as ELDR (``stages.routing.locality_band``) on
+requests are routed by the same locality-band rule as ELDR (``routing.policies.locality_band``) on
 that pattern. ELDR, which sees only the prefill pattern, can at best match it; every comparison
 shows how much of the distance from the best load balancer to the oracle ELDR covers.
 """
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from eldr_cli.stages.routing import BandDecision, Policy, jsq, locality_band
+from eldr_cli.routing.policies import BandDecision, Policy, jsq, locality_band
 
 
 def decode_patterns(decode_counts: np.ndarray) -> np.ndarray:
@@ -62,12 +62,22 @@ class OraclePolicy(Policy):
         self.tau = oracle.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         if signature is None or not math.isfinite(float(np.abs(signature).sum())) or not signature.any():
             self.last = None
             return jsq(loads)
         self.last = locality_band(signature, self.oracle.centroids, loads, self.tau)
         return self.last.worker
+
+
+def fit_oracle(decode_counts: np.ndarray, rows: np.ndarray, n_workers: int, *, model=None,
+               tau: float | None = None, seed: int = 0) -> OracleModel:
+    """The oracle of the served ``rows``: with a routing ``model``, patterns are ELDR's own signature of the
+    decode counts and tau is the model's unless given; without one, sqrt-damped decode patterns, tau 0.1."""
+    if tau is None:
+        tau = model.tau if model is not None else 0.1
+    return OracleModel(np.asarray(decode_counts), rows, n_workers, tau=tau, seed=seed,
+                       signature=None if model is None else model.signature)
 
 
 def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:

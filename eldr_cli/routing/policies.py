@@ -1,23 +1,23 @@
-"""The decode routing decision (ELDR §4.3.2) and the baselines, shared by the proxy, the
-simulator, the emulator and offline replay. This module is *the* place a decode worker is chosen.
+"""The decode policies behind :class:`eldr_cli.routing.router.DecodeRouter`: ELDR's locality band
+(§4.3.2) and the baselines (round-robin, random, JSQ, P2C, Domain). Callers never use a policy directly:
+they hold a router built by :func:`eldr_cli.routing.router.make_router`.
 
 - :func:`locality_band` is the pure ELDR decision over (signature, centroids, loads, tau);
-- :class:`RoutingModel` turns handed-off counts [L, E] into a signature (transform, IDF, layer
-  mask, L2 norm) using a routing artifact;
-- :func:`make_policy` builds any policy (eldr, round-robin, random, jsq, p2c, domain) behind one
-  ``choose(loads, signature=None, domain=None) -> worker index`` interface.
+- every policy implements ``pick(loads, signature, domain) -> worker index`` and may keep per-request state
+  through ``on_dispatch`` / ``on_finish``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
+from eldr_cli.routing.model import RoutingModel
 
-POLICIES = ("eldr", "round-robin", "random", "jsq", "p2c", "domain")
+POLICIES = ("eldr", "eldr-live", "round-robin", "random", "jsq", "p2c", "domain")
 
 
 class BandDecision(NamedTuple):
@@ -45,92 +45,34 @@ def locality_band(signature: np.ndarray, centroids: np.ndarray, loads: Sequence[
     return BandDecision(int(worker), sims, band)
 
 
-def jsq(loads, rng=None) -> int:
+def jsq(loads) -> int:
     """Join-shortest-queue: the least-loaded worker, ties to the lowest index."""
     return int(np.argmin(np.asarray(loads)))
-
-
-class RoutingModel:
-    """The routing artifact in memory: transform, per-cell weights [L, E], layer mask, centroids."""
-
-    def __init__(self, transform: str, weights: np.ndarray, mask: np.ndarray, centroids: np.ndarray,
-                 tau: float = 0.1, domain_share: dict[str, float] | None = None):
-        from eldr_cli.stages.signature import SERVABLE_TRANSFORMS
-
-        if transform not in SERVABLE_TRANSFORMS:
-            raise EldrError(f"routing artifact uses transform {transform!r}, which cannot be computed from "
-                            f"handed-off counts; refit with one of {', '.join(SERVABLE_TRANSFORMS)}")
-        self.transform = transform
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.mask = np.asarray(mask, dtype=np.int64)
-        self.centroids = np.ascontiguousarray(centroids, dtype=np.float64)
-        self.tau = float(tau)
-        self.domain_share = dict(domain_share or {})
-        self._w = self.weights[self.mask]  # [N*, E]
-
-    @property
-    def n_clusters(self) -> int:
-        return int(self.centroids.shape[0])
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.weights.shape)
-
-    @classmethod
-    def load(cls, path) -> "RoutingModel":
-        from eldr_cli.artifacts.store import Artifact
-
-        art = Artifact(path, kind=("routing", "fit"))
-        if art.kind == "fit":
-            from pathlib import Path
-
-            art = Artifact(Path(path) / "routing", kind="routing")
-        p = art.params
-        return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
-                   tau=p["tau"], domain_share=p.get("domain_share"))
-
-    def signature(self, counts: np.ndarray) -> np.ndarray:
-        """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty)."""
-        c = np.asarray(counts)
-        if c.shape != self.weights.shape:
-            raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
-        x = c[self.mask].astype(np.float64)
-        if self.transform == "sqrt":
-            x = np.sqrt(x)
-        elif self.transform == "binary":
-            x = (x > 0).astype(np.float64)
-        elif self.transform == "count-idf":
-            x = x * self._w
-        x = x.ravel()
-        n = math.sqrt(float(x @ x))
-        return x / n if n > 0 else x
-
-    def decide(self, counts: np.ndarray, loads, tau: float | None = None) -> BandDecision:
-        return locality_band(self.signature(counts), self.centroids, loads, self.tau if tau is None else tau)
 
 
 # -- policies: one interface for the proxy, the simulator and replay ---------------------------
 
 class Policy:
-    """A decode routing policy. Subclasses implement :meth:`pick`; callers use :meth:`choose`."""
+    """A decode routing policy: :meth:`pick` chooses among all workers; stateful policies also follow
+    each request's life through :meth:`on_dispatch` and :meth:`on_finish` (the router calls them)."""
 
     name = "policy"
     needs_signature = False
 
-    def choose(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
-               healthy: Sequence[bool] | None = None) -> int:
-        """The decode worker for one request. ``healthy`` (optional, one flag per worker): when the
-        policy's pick is marked down, the least-loaded healthy worker instead, so the proxy (which
-        knows health) and the simulator and replay (all healthy) decide the same way."""
-        idx = self.pick(loads, signature, domain)
-        if healthy is not None and not healthy[idx]:
-            up = [i for i, h in enumerate(healthy) if h]
-            if up:
-                idx = min(up, key=lambda i: loads[i])
-        return idx
+    def __init__(self, n_workers: int, **_: Any) -> None:
+        """Every policy is built from the worker count and the factory's keywords (each takes what it needs)."""
 
-    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None) -> int:
+    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
+             tokens: int | None = None) -> int:
+        """``tokens``: the context tokens the request will hold on its decoder (cost-aware policies)."""
         raise NotImplementedError
+
+    def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
+        """A request (``key``) was sent to ``worker``; ``detail`` is what this policy's pick left in
+        ``last`` for it."""
+
+    def on_finish(self, worker: int, key: Any) -> None:
+        """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
 
 
 class RoundRobin(Policy):
@@ -140,7 +82,7 @@ class RoundRobin(Policy):
         self.n = n_workers
         self._next = 0
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         w = self._next % len(loads)
         self._next = w + 1
         return w
@@ -152,7 +94,7 @@ class RandomPolicy(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         return int(self.rng.integers(len(loads)))
 
 
@@ -162,7 +104,7 @@ class JSQ(Policy):
     def __init__(self, n_workers: int, **_):
         pass
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         return jsq(loads)
 
 
@@ -174,7 +116,7 @@ class P2C(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         n = len(loads)
         if n == 1:
             return 0
@@ -218,7 +160,7 @@ class DomainPolicy(Policy):
         self.groups = split_workers_by_share(domain_share, n_workers)
         self.unlabelled = 0
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         group = self.groups.get(domain) if domain is not None else None
         if group is None:
             self.unlabelled += 1
@@ -243,7 +185,7 @@ class EldrPolicy(Policy):
         self.tau = model.tau if tau is None else float(tau)
         self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None) -> int:
+    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         if signature is None:
             self.last = None
             return jsq(loads)
@@ -251,16 +193,11 @@ class EldrPolicy(Policy):
         return self.last.worker
 
 
-_POLICY_CLASSES = {"eldr": EldrPolicy, "round-robin": RoundRobin, "random": RandomPolicy, "jsq": JSQ,
-                   "p2c": P2C, "domain": DomainPolicy}
+def _live_policy(n_workers: int, **kw: Any) -> Policy:
+    from eldr_cli.routing.live import EldrLivePolicy
+
+    return EldrLivePolicy(n_workers, **kw)
 
 
-def make_policy(name: str, n_workers: int, *, model: RoutingModel | None = None, tau: float | None = None,
-                seed: int = 0, domain_share: dict[str, float] | None = None) -> Policy:
-    if name not in _POLICY_CLASSES:
-        raise EldrError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
-    if n_workers < 1:
-        raise EldrError("at least one decode worker is needed")
-    if domain_share is None and model is not None:
-        domain_share = model.domain_share
-    return _POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share)
+POLICY_CLASSES: dict[str, Any] = {"eldr": EldrPolicy, "eldr-live": _live_policy, "round-robin": RoundRobin,
+                                  "random": RandomPolicy, "jsq": JSQ, "p2c": P2C, "domain": DomainPolicy}

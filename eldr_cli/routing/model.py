@@ -1,0 +1,71 @@
+"""The routing artifact in memory (:class:`RoutingModel`): what serving needs of a fit to turn a request's
+handed-off prefill counts into its signature (Eq. 2) and compare it with the decoders' centroids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+
+
+def load_routing_artifact(path):
+    """The ``routing`` artifact at ``path``; a ``fit`` directory is accepted (its ``routing`` sub-artifact).
+    The one place a routing artifact is opened from a user's path."""
+    from eldr_cli.artifacts.store import Artifact
+
+    art = Artifact(path, kind=("routing", "fit"))
+    if art.kind == "fit":
+        art = Artifact(Path(path) / "routing", kind="routing")
+    return art
+
+
+class RoutingModel:
+    """Transform, per-cell weights [L, E], layer mask [N*], unit centroids [K, N* x E], tau."""
+
+    def __init__(self, transform: str, weights: np.ndarray, mask: np.ndarray, centroids: np.ndarray,
+                 tau: float = 0.1, domain_share: dict[str, float] | None = None,
+                 live: tuple[np.ndarray, np.ndarray] | None = None):
+        """``live``: (prototypes [M, N* x E], decode activation [M + 1, L, E]) of the eldr-live policy
+        (:class:`eldr_cli.stages.live.DecodeActivation`); None for artifacts fitted before it."""
+        from eldr_cli.stages.signature import SERVABLE_TRANSFORMS
+
+        if transform not in SERVABLE_TRANSFORMS:
+            raise EldrError(f"routing artifact uses transform {transform!r}, which cannot be computed from "
+                            f"handed-off counts; refit with one of {', '.join(SERVABLE_TRANSFORMS)}")
+        self.transform = transform
+        self.weights = np.asarray(weights, dtype=np.float64)
+        self.mask = np.asarray(mask, dtype=np.int64)
+        self.centroids = np.ascontiguousarray(centroids, dtype=np.float64)
+        self.tau = float(tau)
+        self.domain_share = dict(domain_share or {})
+        self.live = None if live is None else (np.ascontiguousarray(live[0], dtype=np.float64),
+                                               np.ascontiguousarray(live[1], dtype=np.float32))
+
+    @property
+    def n_clusters(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        L, E = self.weights.shape
+        return int(L), int(E)
+
+    @classmethod
+    def load(cls, path) -> "RoutingModel":
+        art = load_routing_artifact(path)
+        p = art.params
+        live = (art.array("live_prototypes"), art.array("live_activation")) if p.get("live_prototypes") else None
+        return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
+                   tau=p["tau"], domain_share=p.get("domain_share"), live=live)
+
+    def signature(self, counts: np.ndarray) -> np.ndarray:
+        """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
+        :func:`eldr_cli.stages.signature.signatures`, so fit and serving cannot disagree."""
+        from eldr_cli.stages.signature import signatures
+
+        c = np.asarray(counts)
+        if c.shape != self.weights.shape:
+            raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
+        return signatures(c[None], self.transform, self.weights, self.mask)[0]

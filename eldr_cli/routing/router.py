@@ -1,0 +1,176 @@
+"""The decode router: *the* object that chooses a decode worker at the prefill -> decode handoff.
+
+The proxy, the simulator, the emulator (through the proxy), trace replay and placement evaluation each
+hold one :class:`DecodeRouter` built by :func:`make_router` (the only factory, which also builds the
+oracle) and call :meth:`DecodeRouter.decide` for every request, then :meth:`~DecodeRouter.on_dispatch`
+and :meth:`~DecodeRouter.on_finish` around its decode. Nothing else chooses a decode worker. Its
+configuration (policy, routing model, tau) is fixed once built; an admin change builds a new router and
+swaps it in. Per-request state (round-robin's turn, the random policies' generators, a stateful
+policy's live set) lives inside and is reset only by building a new router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+from eldr_cli.routing.model import RoutingModel
+from eldr_cli.routing.policies import POLICY_CLASSES, Policy
+
+ROUTERS = (*POLICY_CLASSES, "oracle")   # every name make_router builds
+LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decode choice and what it was based on (the proxy's decision log records it)."""
+
+    worker: int
+    signature: str                          # "ok" | "missing" | "malformed" | "unused"
+    similarities: np.ndarray | None = None  # [K] cosine to each centroid (band policies)
+    band: np.ndarray | None = None          # worker indices inside the locality band
+    predicted_ms: np.ndarray | None = None  # [K] predicted added latency per candidate (eldr-live)
+    detail: Any = None                      # what the policy needs back in on_dispatch
+
+
+SignatureFn = Callable[[Any, Any], "np.ndarray | None"]
+
+
+class DecodeRouter:
+    """A decode routing policy with its signature source. Build with :func:`make_router`."""
+
+    __slots__ = ("_policy", "_model", "_signature_of", "_n")
+
+    def __init__(self, policy: Policy, n_workers: int, model: RoutingModel | None,
+                 signature_of: SignatureFn | None):
+        self._policy = policy
+        self._n = int(n_workers)
+        self._model = model
+        self._signature_of = signature_of
+
+    # -- what it is ------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._policy.name
+
+    @property
+    def n_workers(self) -> int:
+        return self._n
+
+    @property
+    def model(self) -> RoutingModel | None:
+        return self._model
+
+    @property
+    def needs_signature(self) -> bool:
+        """Whether :meth:`decide` uses the request's prefill counts (callers may skip decoding them)."""
+        return self._policy.needs_signature and self.name != "oracle"
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the policy follows requests' lives (callers must then call on_dispatch / on_finish)."""
+        return type(self._policy).on_finish is not Policy.on_finish
+
+    @property
+    def policy(self) -> Policy:
+        """The rule inside (read-only use: tests, the proxy's shared live state)."""
+        return self._policy
+
+    @property
+    def tau(self) -> float | None:
+        tau = getattr(self._policy, "tau", None)
+        return None if tau is None else float(tau)
+
+    def facts(self) -> dict[str, int]:
+        """Counters a run reports (requests without a domain label under the Domain policy)."""
+        n = getattr(self._policy, "unlabelled", None)
+        return {} if n is None else {"unlabelled_domain": int(n)}
+
+    # -- the decision and the request's life ------------------------------------------------------
+    def decide(self, counts: np.ndarray | None, loads: Sequence[int] | np.ndarray, *, domain: str | None = None,
+               healthy: Sequence[bool] | None = None, key: Any = None, tokens: int | None = None) -> Decision:
+        """The decode worker for one request.
+
+        ``counts`` int [L, E]: the request's prefill expert counts (None when it has none); ``loads``: in-flight
+        requests per decoder; ``domain``: the Domain baseline's label; ``healthy`` (one flag per worker): a pick
+        marked down is replaced by the least-loaded healthy worker; ``key``: a stable request key (a trace row)
+        under which offline callers let the router reuse the request's signature; ``tokens``: the context
+        tokens the request will hold on its decoder (prompt + expected output; cost-aware policies).
+        """
+        sig, state = self._signature(counts, key)
+        pol = self._policy
+        idx = pol.pick(loads, sig, domain, tokens)
+        last = getattr(pol, "last", None)
+        if healthy is not None and not healthy[idx]:
+            up = [i for i, h in enumerate(healthy) if h]
+            if up:
+                idx = min(up, key=lambda i: loads[i])
+        if last is None:
+            return Decision(int(idx), state)
+        return Decision(int(idx), state, getattr(last, "similarities", None), getattr(last, "band", None),
+                        getattr(last, "predicted_ms", None), last)
+
+    def on_dispatch(self, decision: Decision, key: Any) -> None:
+        """The request ``key`` was sent where ``decision`` says (call before any other decide)."""
+        self._policy.on_dispatch(decision.worker, key, decision.detail)
+
+    def on_finish(self, worker: int, key: Any) -> None:
+        self._policy.on_finish(worker, key)
+
+    def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
+        if self._signature_of is None:
+            return None, "unused"
+        if counts is None and self.name != "oracle":
+            return None, "missing"
+        try:
+            sig = self._signature_of(counts, key)
+        except EldrError:
+            return None, "malformed"
+        return (sig, "ok") if sig is not None else (None, "missing")
+
+
+def _cached(fn: Callable[[Any], np.ndarray]) -> SignatureFn:
+    cache: dict[Any, np.ndarray] = {}
+
+    def signature_of(counts, key):
+        if key is None:
+            return fn(counts)
+        sig = cache.get(key)
+        if sig is None:
+            sig = cache[key] = fn(counts)
+        return sig
+
+    return signature_of
+
+
+def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None, tau: float | None = None,
+                seed: int = 0, domain_share: dict[str, float] | None = None, oracle=None,
+                cost=None) -> DecodeRouter:
+    """Build any decode router by name (one of :data:`ROUTERS`).
+
+    ``model``: the routing artifact (eldr, eldr-live; its domain mix for domain); ``tau`` overrides the artifact's;
+    ``cost``: the step cost model eldr-live predicts with (None: a relative default shape, see routing.live);
+    ``seed`` seeds the random policies; ``oracle``: an :class:`eldr_cli.routing.oracle.OracleModel` fitted on
+    the served rows' decode counts (see :func:`eldr_cli.routing.oracle.fit_oracle`), needed by ``oracle``,
+    whose signature is the request's own decode pattern looked up by ``key``.
+    """
+    if name not in ROUTERS:
+        raise EldrError(f"unknown policy {name!r}; expected one of {', '.join(ROUTERS)}")
+    if n_workers < 1:
+        raise EldrError("at least one decode worker is needed")
+    if name == "oracle":
+        from eldr_cli.routing.oracle import OraclePolicy
+
+        if oracle is None:
+            raise EldrError("the oracle router needs the served rows' decode patterns (fit_oracle builds them)")
+        return DecodeRouter(OraclePolicy(n_workers, oracle, tau=tau), n_workers, model,
+                            lambda counts, key: oracle.patterns.get(key))
+    if domain_share is None and model is not None:
+        domain_share = model.domain_share
+    policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
+                                  cost=cost)
+    sig = _cached(model.signature) if policy.needs_signature and model is not None else None
+    return DecodeRouter(policy, n_workers, model, sig)

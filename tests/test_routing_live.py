@@ -1,0 +1,249 @@
+"""eldr-live (issue 21): the decode-activation model, the cost-aware choice, the live set's lifecycle in the
+simulator and the proxy, replicas' shared vectors, and one decision object for proxy and simulator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import numpy as np
+import pytest
+from _proxy_util import Cluster, build_routing
+
+from eldr_cli.errors import EldrError
+from eldr_cli.routing import RoutingModel, make_router
+from eldr_cli.routing.live import EldrLivePolicy
+from eldr_cli.stages.live import DecodeActivation
+from eldr_cli.synth import synthetic_trace
+from eldr_cli.testing.stub_worker import fake_counts
+
+L, E = 4, 16
+
+
+def _model(protos: np.ndarray, act: np.ndarray, K: int = 4) -> RoutingModel:
+    d = protos.shape[1]
+    cent = np.eye(K, d)
+    return RoutingModel("count", np.ones((L, E)), np.arange(L), cent, live=(protos, act))
+
+
+def _disjoint(M: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Prototype m decodes on experts [4m, 4m+4) of every layer (each picked with p=0.5: top-2)."""
+    protos = np.zeros((M, L * E))
+    act = np.zeros((M + 1, L, E), dtype=np.float32)
+    for m in range(M):
+        protos[m, m] = 1.0
+        act[m, :, 4 * m:4 * m + 4] = 0.5
+    act[M] = act[:M].mean(axis=0)
+    return protos, act
+
+
+def _sig(m: int) -> np.ndarray:
+    s = np.zeros(L * E)
+    s[m] = 1.0
+    return s
+
+
+def test_decode_activation_rows_are_per_step_probabilities():
+    tr = synthetic_trace(n_requests=200, num_layers=L, num_experts=E, top_k=2, decode_steps=16, seed=3)
+    S = np.asarray(tr.prefill_counts, dtype=float).reshape(200, -1)
+    S /= np.linalg.norm(S, axis=1, keepdims=True)
+    est = DecodeActivation(n_prototypes=8, seed=0).fit(S, tr.decode_counts, tr.decode_steps)
+    assert est.prototypes_.shape == (8, L * E) and est.activation_.shape == (9, L, E)
+    np.testing.assert_allclose(np.linalg.norm(est.prototypes_, axis=1), 1.0, rtol=1e-9)
+    # a_m(l, e) = mean over the prototype's members of decode_counts / decode_steps (row M: all rows)
+    p = np.asarray(tr.decode_counts, dtype=float) / np.asarray(tr.decode_steps, dtype=float)[:, None, None]
+    for m in range(8):
+        np.testing.assert_allclose(est.activation_[m], np.clip(p[est.labels_ == m].mean(0), 0, 0.999), rtol=1e-6)
+    np.testing.assert_allclose(est.activation_[8], np.clip(p.mean(0), 0, 0.999), rtol=1e-6)
+    assert est.predict(S[0]) == est.labels_[0] or est.prototypes_[est.predict(S[0])] @ S[0] >= \
+        est.prototypes_[est.labels_[0]] @ S[0]
+
+
+def test_idle_decoder_wins_at_low_load_and_shared_experts_under_load():
+    protos, act = _disjoint()
+    r = make_router("eldr-live", 4, model=_model(protos, act))
+    pol = r.policy
+    assert isinstance(pol, EldrLivePolicy)
+    # low load: decoder 0 runs one request of prototype 0; a second one of the same prototype goes elsewhere
+    pol.pick([0, 0, 0, 0], _sig(0))
+    pol.on_dispatch(0, "a", pol.last)
+    d = r.decide(None, [1, 0, 0, 0])
+    assert d.worker != 0 and d.predicted_ms is not None and len(d.predicted_ms) == 4
+    assert pol.pick([1, 0, 0, 0], _sig(0)) != 0
+    r.on_finish(0, "a")
+    assert pol.is_empty()
+    # under load: decoder k runs 6 requests of prototype k; a request of prototype 2 joins decoder 2
+    for k in range(4):
+        for i in range(6):
+            pol.on_dispatch(k, f"{k}-{i}", pol.last._replace(prototype=k, tokens=0))
+    assert pol.pick([6, 6, 6, 6], _sig(2)) == 2
+    assert int(np.argmin(pol.last.predicted_ms)) == 2
+    # the load cap: decoder 2 far above the least loaded is not a candidate
+    assert pol.pick([6, 6, 20, 6], _sig(2)) != 2
+    for k in range(4):
+        for i in range(6):
+            pol.on_finish(k, f"{k}-{i}")
+    assert pol.is_empty()
+
+
+def test_replicas_vectors_sum_to_a_single_router():
+    protos, act = _disjoint()
+    one, a, b = (make_router("eldr-live", 4, model=_model(protos, act)).policy for _ in range(3))
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        w, m = int(rng.integers(4)), int(rng.integers(4))
+        one.pick([0] * 4, _sig(m), tokens=10 + i)
+        detail = one.last
+        one.on_dispatch(w, i, detail)
+        (a if i % 2 else b).on_dispatch(w, i, detail)
+    for w in range(4):
+        a.apply_remote(w, b.local_vector(w))
+        b.apply_remote(w, a.local_vector(w))
+    for rep in (a, b):
+        np.testing.assert_allclose(rep.q, one.q, rtol=1e-5)
+        assert (rep.tokens + rep.remote_tokens == one.tokens).all()
+        for m in range(4):
+            assert rep.pick([5, 3, 4, 6], _sig(m), tokens=7) == one.pick([5, 3, 4, 6], _sig(m), tokens=7)
+    # the other replica's requests end: its vectors go back to zero and so does every q
+    for i in range(0, 40, 2):
+        b.on_finish(int(one.where[i][0]), i)
+    for w in range(4):
+        a.apply_remote(w, b.local_vector(w))
+    for i in range(1, 40, 2):
+        a.on_finish(int(one.where[i][0]), i)
+    for w in range(4):
+        b.apply_remote(w, a.local_vector(w))
+    assert a.is_empty() and b.is_empty()
+
+
+def test_artifact_without_the_live_model_is_refused_by_name():
+    m = RoutingModel("count", np.ones((L, E)), np.arange(L), np.eye(4, L * E))
+    with pytest.raises(EldrError, match="eldr fit"):
+        make_router("eldr-live", 4, model=m)
+    assert make_router("eldr", 4, model=m).name == "eldr"  # the other policies still serve
+
+
+def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
+    import eldr_cli.pipeline.simulate as sim
+    from eldr_cli.artifacts.trace import write_trace
+    from eldr_cli.costmodel import CostModel, write_cost_model
+    from eldr_cli.pipeline.fit import run_fit
+
+    t = synthetic_trace(160, L, E, 2, decode_steps=8, with_picks=True, seed=1)
+    write_trace(tmp_path / "trace", t)
+    run_fit(tmp_path / "trace", tmp_path / "fit", decoders=3, figures=False, pairs=2000)
+    write_cost_model(tmp_path / "cost", CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05, source="given"))
+    built = []
+    real = sim.make_router
+
+    def keep(*a, **kw):
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(sim, "make_router", keep)
+    sim.run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
+                     routing=tmp_path / "fit", split="all", routers=["eldr-live"], rates=[40.0], n_prefill=1,
+                     n_decode=3, duration_s=4, warmup_s=1, max_tokens=8, workers=1)
+    (router,) = built
+    assert router.stateful and router.policy.is_empty()
+
+
+# -- the proxy -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def routing3(tmp_path_factory):
+    return build_routing(tmp_path_factory.mktemp("live3"), decoders=3)
+
+
+def _open_stream(stack, client, url, prompt, max_tokens=400):
+    r = stack.enter_context(client.stream("POST", url + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": True}))
+    assert r.status_code == 200
+    lines = r.iter_lines()  # kept with the response: a dropped generator would close the stream
+    next(lines)  # the decode leg has started: the request is dispatched
+    stack.callback(lines.close)
+    return r
+
+
+def test_proxy_live_set_empties_after_success_error_and_cancel(routing3, tmp_path):
+    c = Cluster(routing=str(routing3), policy="eldr-live", decision_log=str(tmp_path / "d.jsonl"),
+                stub_kw={"token_delay_s": 0.02})
+    try:
+        pol = c.app.state.router.policy
+        bodies = [{"prompt": "fine one", "max_tokens": 3}, {"prompt": "[[fault:decode_500]] x", "max_tokens": 3},
+                  {"prompt": "[[fault:decode_drop]] y", "max_tokens": 6, "stream": True},
+                  {"prompt": "[[fault:prefill_nosig]] z", "max_tokens": 3}]
+        for b in bodies:
+            httpx.post(c.url + "/v1/completions", json={"model": "m", **b}, timeout=30)
+        with httpx.Client(timeout=30) as client, contextlib.ExitStack() as stack:
+            for i in range(3):
+                _open_stream(stack, client, c.url, f"held open {i}")
+            assert sum(pol.counts.sum(axis=1)) == 3  # three live requests while their streams are open
+        assert c.settle(30) == 0
+        assert pol.is_empty()
+    finally:
+        c.close()
+    rows = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]  # flushed at close
+    assert len(rows) == 7 and all(len(r["predicted_ms"]) == 3 and r["policy"] == "eldr-live" for r in rows)
+
+
+def test_proxy_and_simulator_router_decide_alike_on_the_same_events(routing3):
+    """The proxy's decisions on a sequence of arrivals and departures equal those of a router built by the
+    same factory (as the simulator builds it) fed the same events: one decision object, no copies."""
+    events = ["+0", "+1", "+2", "+3", "-1", "+4", "+5", "-0", "-3", "+6", "+7", "+8", "-5", "+9"]
+    prompts = {i: f"request {i} about topic {i * 13} and more words {'w ' * i}" for i in range(10)}
+    c = Cluster(routing=str(routing3), policy="eldr-live", stub_kw={"token_delay_s": 0.05})
+    chosen_proxy: dict[int, int] = {}
+    try:
+        with httpx.Client(timeout=60) as client, contextlib.ExitStack() as top:
+            open_: dict[int, contextlib.ExitStack] = {}
+            for ev in events:
+                i = int(ev[1:])
+                if ev[0] == "+":
+                    s = top.enter_context(contextlib.ExitStack())
+                    r = _open_stream(s, client, c.url, prompts[i])
+                    chosen_proxy[i] = int(r.headers["x-eldr-decode-worker"][1:])
+                    open_[i] = s
+                else:
+                    n = c.app.state.in_progress
+                    open_.pop(i).close()
+                    _wait(lambda n=n: c.app.state.in_progress == n - 1)
+    finally:
+        c.close()
+    model = RoutingModel.load(routing3)
+    ref = make_router("eldr-live", 3, model=model)
+    loads = [0, 0, 0]
+    where: dict[int, int] = {}
+    for ev in events:
+        i = int(ev[1:])
+        if ev[0] == "+":
+            d = ref.decide(fake_counts(prompts[i]), loads, tokens=len(prompts[i].split()) + 400 // 2)
+            ref.on_dispatch(d, i)
+            where[i] = d.worker
+            loads[d.worker] += 1
+        else:
+            ref.on_finish(where[i], i)
+            loads[where[i]] -= 1
+    assert where == chosen_proxy
+    assert len(set(where.values())) > 1
+
+
+def _wait(cond, timeout=30.0):
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "the proxy did not see the client close"
+        time.sleep(0.01)
+
+
+def test_proxy_refuses_a_cost_model_of_another_model(routing3, tmp_path):
+    from eldr_cli.costmodel.roofline import run_cost_model
+    from eldr_cli.proxy import build_config, create_app
+
+    run_cost_model(tmp_path / "cost", "Qwen3-30B-A3B", device="H100-SXM")
+    cfg = build_config(None, routing=str(routing3), policy="eldr-live", cost_model=str(tmp_path / "cost"),
+                       prefill=["http://127.0.0.1:9"], decode=[f"http://127.0.0.1:{p}" for p in (10, 11, 12)])
+    with pytest.raises(EldrError, match=r"Qwen3-30B-A3B \(L=48, E=128\).*L=4, E=16"):
+        create_app(cfg)
