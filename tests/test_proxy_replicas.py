@@ -136,7 +136,7 @@ def test_admin_changes_reach_every_replica_and_refusals_reach_none(workers, redi
 
 
 def _serve_proxy(pre, dec, state, port, *extra):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), ELDR_ADMIN_TOKEN=TOKEN)  # the signing key
     return subprocess.Popen([sys.executable, "-m", "eldr_cli", "serve-proxy", "--policy", "jsq",
                              "--state", state, "--port", str(port), *sum((["--prefill", u] for u in pre), []),
                              *sum((["--decode", u] for u in dec), []), *extra],

@@ -31,8 +31,21 @@ def serve_proxy_cmd(
                                                  help="Answer 413 above this body size (default 4 MiB)."),
     log_level: Optional[str] = typer.Option(None, "--log-level", help="debug, info, warning or error (default info)."),
     state: Optional[str] = typer.Option(None, "--state",
-                                        help="local (default) or redis://HOST:PORT\\[/DB]: share in-flight counts "
-                                             "and admin changes with other replicas."),
+                                        help="local (default) or redis\\[s]://\\[USER@]HOST:PORT\\[/DB]: share "
+                                             "in-flight counts and admin changes with other replicas (signed with "
+                                             "$ELDR_STATE_KEY or --state-key-file)."),
+    state_key_file: Optional[str] = typer.Option(None, "--state-key-file",
+                                                 help="File (mode 600) with the key the replicas sign with."),
+    state_password_file: Optional[str] = typer.Option(None, "--state-password-file",
+                                                      help="File (mode 600) with the Redis password "
+                                                           "(or $ELDR_STATE_PASSWORD)."),
+    state_ca_file: Optional[str] = typer.Option(None, "--state-ca-file",
+                                                help="CA bundle (PEM) verifying a rediss:// server."),
+    state_prefix: Optional[str] = typer.Option(None, "--state-prefix",
+                                               help="Namespace of the Redis keys and channels (default eldr)."),
+    state_reserve_ms: Optional[float] = typer.Option(
+        None, "--state-reserve-ms", help="Reserve each decode slot atomically in Redis, waiting at most this "
+                                         "long before deciding locally (default 50; 0: off)."),
     workers: Optional[int] = typer.Option(None, "--workers",
                                           help="Processes behind one port (SO_REUSEPORT); they share state "
                                                "through --state, or a private redis-server without it."),
@@ -45,11 +58,18 @@ def serve_proxy_cmd(
                        cost_model=str(cost_model) if cost_model else None,
                        policy=policy, tau=tau, host=host, port=port, admin_token=admin_token,
                        decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
-                       log_level=log_level, state=state, workers=workers)
+                       log_level=log_level, state=state, workers=workers, state_key_file=state_key_file,
+                       state_password_file=state_password_file, state_ca_file=state_ca_file,
+                       state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
     from eldr_cli.proxy.server import bind_socket, serve_workers
+    from eldr_cli.proxy.stateconn import redact
 
-    create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
+    app = create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
+    if cfg.state != "local":  # a refused password or an unverifiable certificate: before the banner
+        from eldr_cli.proxy.stateconn import check_state_reachable
+
+        check_state_reachable(app.state.shared.conn)  # type: ignore[attr-defined]
     if cfg.workers > 1 and cfg.state == "local":
         from eldr_cli.proxy.redis_server import require_redis_server
 
@@ -60,7 +80,7 @@ def serve_proxy_cmd(
                   + (f"  routing={cfg.routing}" if cfg.routing else "")
                   + ("  admin=on" if cfg.admin_token else "  admin=off")
                   + (f"  workers={cfg.workers}" if cfg.workers > 1 else "")
-                  + (f"  state={cfg.state}" if cfg.state != "local" else ""), highlight=False)
+                  + (f"  state={redact(cfg.state)}" if cfg.state != "local" else ""), highlight=False)
     if cfg.workers > 1:
         sock.close()  # each worker process binds its own SO_REUSEPORT socket
         serve_workers(cfg)

@@ -12,6 +12,7 @@ import orjson
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError, InvalidParameterError
 from eldr_cli.proxy.base import AppParts
+from eldr_cli.proxy.config import check_worker_url
 from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
 from eldr_cli.routing import RoutingModel
 
@@ -37,8 +38,12 @@ class AdminMixin(AppParts):
         """A run-time change another replica made (and validated) applied here too."""
         m = self.metrics
         if action == "health":
-            pool = self.state.prefill if body.get("role") == "prefill" else self.state.decode
-            w = pool.find(str(body.get("url", "")))
+            role, url, healthy = body.get("role"), body.get("url"), body.get("healthy")
+            if role not in ("prefill", "decode") or not isinstance(url, str) or not isinstance(healthy, bool):
+                m.child(m.admin_actions, action, "remote_refused").inc()
+                return
+            pool = self.state.prefill if role == "prefill" else self.state.decode
+            w = pool.find(url)
             if w is not None and w.healthy != bool(body.get("healthy")):
                 w.healthy = bool(body.get("healthy"))
                 w.fail_streak = w.ok_streak = 0
@@ -135,6 +140,11 @@ class AdminMixin(AppParts):
         if action not in ("add", "remove") or role not in ("prefill", "decode") or not isinstance(url, str) \
                 or not url.startswith("http://"):
             raise Refused('expected {"action": "add"|"remove", "role": "prefill"|"decode", "url": "http://..."}')
+        if action == "add":
+            try:  # the same URL rules as --prefill/--decode at start-up
+                check_worker_url(url, "url")
+            except EldrError as e:
+                raise Refused(str(e)) from None
         pool = st.prefill if role == "prefill" else st.decode
         n_new = len(pool) + (1 if action == "add" else -1)
         if n_new < 1:

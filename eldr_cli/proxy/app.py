@@ -95,6 +95,20 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
     def all_workers(self) -> list[Worker]:
         return [*self.state.prefill, *self.state.decode]
 
+    def local_vectors(self) -> dict[str, dict[str, list[int]]]:
+        """A stateful policy's per-decoder live state, read when the counts are published (eldr-live)."""
+        pol = self.state.router.policy
+        if not hasattr(pol, "local_vector"):
+            return {}
+        return {"live": {w.id: pol.local_vector(i) for i, w in enumerate(self.state.decode.workers)}}
+
+    def remote_vectors_changed(self) -> None:
+        """The other replicas' summed vectors arrived (``Worker.remote_vectors``): into the policy."""
+        pol = self.state.router.policy
+        if hasattr(pol, "apply_remote"):
+            for i, w in enumerate(self.state.decode.workers):
+                pol.apply_remote(i, w.remote_vectors.get("live"))
+
     def _open(self, w: Worker) -> None:
         # one keep-alive pool per upstream worker
         w.session = HttpPool(w.url, connect_timeout=self.cfg.connect_timeout_s,

@@ -8,13 +8,26 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from eldr_cli.proxy.config import ProxyConfig
-from eldr_cli.proxy.sharedstate import make_shared_state
+from eldr_cli.proxy.sharedstate import LocalState, RedisState
+from eldr_cli.proxy.stateconn import parse_state_url
 from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
     from eldr_cli.proxy.metrics import ProxyMetrics
+
+
+def make_shared_state(cfg: ProxyConfig) -> LocalState:
+    """Local, or Redis with the connection and key resolved (and checked) by ``cfg.validate()``."""
+    if parse_state_url(cfg.state) == "local":
+        return LocalState()
+    from eldr_cli.proxy.stateauth import resolve_state_key
+    from eldr_cli.proxy.stateconn import build_state_conn
+
+    key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
+    conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)
+    return RedisState(conn, key, cfg.state_reserve_ms)
 
 
 def load_step_cost(path: str | None, model: RoutingModel | None) -> Any:
@@ -52,7 +65,7 @@ class ProxyState:
         self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
         self.in_progress = 0
         self.started = 0
-        self.shared = make_shared_state(cfg.state)  # local, or counts and changes shared via Redis
+        self.shared = make_shared_state(cfg)  # local, or counts and changes shared via Redis
         self.outcomes: dict[str, int] = {}
 
     def make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> DecodeRouter:

@@ -51,8 +51,14 @@ class ProxyConfig:
     decision_log: str | None = None
     log_level: str = "info"
     access_log: bool = False
-    # several replicas: "local" (this process alone) or redis://HOST:PORT[/DB] (shared counts and changes)
+    # several replicas: "local" (this process alone) or redis[s]://[USER@]HOST:PORT[/DB] (shared counts
+    # and changes, signed with $ELDR_STATE_KEY / state_key_file / a key derived from the admin token)
     state: str = "local"
+    state_key_file: str | None = None
+    state_password_file: str | None = None  # else $ELDR_STATE_PASSWORD, else the URL's
+    state_ca_file: str | None = None        # CA bundle verifying a rediss:// server
+    state_prefix: str = "eldr"              # namespace of every Redis key and channel
+    state_reserve_ms: float = 50.0          # atomic select-and-reserve deadline (0: decide locally only)
     workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":
@@ -67,9 +73,7 @@ class ProxyConfig:
                 check_worker_url(u, flag)
         validate_parameter("port", self.port, what="--port")
         validate_parameter("workers", self.workers, what="--workers")
-        from eldr_cli.proxy.sharedstate import parse_state_url
-
-        self.state = parse_state_url(self.state)
+        self._validate_state()
         if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
         if self.tau is not None:
@@ -85,6 +89,23 @@ class ProxyConfig:
         self.prefill = [u.rstrip("/") for u in self.prefill]
         self.decode = [u.rstrip("/") for u in self.decode]
         return self
+
+    def _validate_state(self) -> None:
+        """The shared-state URL, key, password and CA file: every problem is one message naming its option."""
+        from eldr_cli.proxy.stateauth import resolve_state_key
+        from eldr_cli.proxy.stateconn import build_state_conn, check_prefix, parse_state_url
+
+        self.state = parse_state_url(self.state)
+        check_prefix(self.state_prefix)
+        if isinstance(self.state_reserve_ms, bool) or not isinstance(self.state_reserve_ms, (int, float)) \
+                or not 0 <= self.state_reserve_ms <= 1000:
+            raise EldrError(f"--state-reserve-ms must be between 0 and 1000, got {self.state_reserve_ms!r}")
+        if self.state == "local":
+            return
+        if self.admin_token is None:
+            self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
+        resolve_state_key(self.state_key_file, self.admin_token, self.state)
+        build_state_conn(self.state, self.state_prefix, self.state_password_file, self.state_ca_file)
 
 
 def check_worker_url(url: str, flag: str) -> None:

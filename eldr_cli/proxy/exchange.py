@@ -29,6 +29,7 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
+from eldr_cli.proxy.reserve import Slot, reserve_decode
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker, prompt_key
 from eldr_cli.routing import Decision, DecodeRouter
@@ -53,6 +54,7 @@ class RequestContext:
     policy: str | None = None
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
+    reserved: Slot | None = None       # the decode slot reserved in the shared state
 
 
 def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
@@ -64,6 +66,19 @@ def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
         return None
     out = body.get("max_completion_tokens", body.get("max_tokens"))
     return prompt + (out // 2 if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0)
+
+
+def _prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill leg's body: one token, not streamed, asking for remote decode (vLLM's PD protocol)."""
+    pre = dict(body)
+    pre["stream"] = False
+    pre["max_tokens"] = 1
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    pre.pop("min_tokens", None)
+    pre.pop("stream_options", None)
+    pre["kv_transfer_params"] = dict(PREFILL_KTP)
+    return orjson.dumps(pre)
 
 
 class ExchangeMixin(AppParts):
@@ -175,15 +190,7 @@ class ExchangeMixin(AppParts):
             headers.append(("authorization", ctx.auth.decode("latin-1")))
 
         # 1. prefill leg (one retry on another worker)
-        pre = dict(body)
-        pre["stream"] = False
-        pre["max_tokens"] = 1
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
-        pre.pop("min_tokens", None)
-        pre.pop("stream_options", None)
-        pre["kv_transfer_params"] = dict(PREFILL_KTP)
-        pre_raw = orjson.dumps(pre)
+        pre_raw = _prefill_body(body)
         key = prompt_key(body, ctx.endpoint == "chat")
         pw = st.prefix.choose(st.prefill, key)
         failures = []
@@ -221,6 +228,7 @@ class ExchangeMixin(AppParts):
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
         tokens = _context_tokens(answer, body)
         choice = self._decide(ctx, router, counts, sig_state, tokens)
+        choice, ctx.reserved = await reserve_decode(st, choice)  # replicas: one atomic slot in Redis
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
         dec = dict(body)
@@ -386,5 +394,6 @@ class ExchangeMixin(AppParts):
         finally:
             w.inflight -= 1
             self.state.shared.note_change()
+            self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

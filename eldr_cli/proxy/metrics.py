@@ -72,6 +72,17 @@ class _LiveCollector:
         c = CounterMetricFamily("eldr_proxy_state_outages", "Times the shared state became unreachable")
         c.add_metric([], sh.outages)
         yield c
+        c = CounterMetricFamily("eldr_proxy_state_rejected", "Shared-state messages ignored (unsigned, bad "
+                                "signature, malformed, stale, replayed)", labels=["reason"])
+        for reason, n in sh.rejected.items():
+            c.add_metric([reason], n)
+        yield c
+        if sh.reserver is not None:
+            c = CounterMetricFamily("eldr_proxy_state_reservations", "Atomic decode-slot reservations in Redis "
+                                    "(timeout/error/skipped: decided locally)", labels=["result"])
+            for result, n in sh.reserver.results.items():
+                c.add_metric([result], n)
+            yield c
 
 
 class ProxyMetrics:

@@ -109,17 +109,24 @@ def _worker_main(cfg_dict: dict[str, Any]) -> None:  # pragma: no cover - runs i
 def serve_workers(cfg: ProxyConfig) -> None:
     """``--workers N``: N proxy processes on one port (SO_REUSEPORT; the kernel spreads connections),
     sharing in-flight counts and run-time changes through ``cfg.state``. Without ``--state`` they share
-    a private redis-server on 127.0.0.1 that lives as long as they do."""
+    a private redis-server on 127.0.0.1 that lives as long as they do, with a random password and a
+    random signing key (handed to the workers through their environment, never a command line)."""
     import dataclasses
     import multiprocessing as mp
+    import os
+    import secrets
     import signal
 
     from eldr_cli.proxy.redis_server import RedisServer
+    from eldr_cli.proxy.stateauth import KEY_ENV
+    from eldr_cli.proxy.stateconn import PASSWORD_ENV
 
-    private = None
+    private, env_before = None, dict(os.environ)
     if cfg.state == "local":
-        private = RedisServer().start()
-        cfg = dataclasses.replace(cfg, state=private.url)
+        private = RedisServer(password=secrets.token_hex(16)).start()
+        os.environ[PASSWORD_ENV] = private.password or ""
+        os.environ[KEY_ENV] = secrets.token_hex(32)
+        cfg = dataclasses.replace(cfg, state=private.url, state_key_file=None, state_password_file=None)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, args=(dataclasses.asdict(cfg),), name=f"eldr-proxy-{i}")
              for i in range(cfg.workers)]
@@ -133,6 +140,9 @@ def serve_workers(cfg: ProxyConfig) -> None:
     try:
         for p in procs:
             p.start()
+        if private is not None:  # the children have their copy; the parent forgets the secrets
+            os.environ.clear()
+            os.environ.update(env_before)
         while not stopping and all(p.is_alive() for p in procs):
             time.sleep(0.2)
     finally:

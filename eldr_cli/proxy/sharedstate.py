@@ -1,4 +1,8 @@
-"""Router state shared between proxy replicas (``eldr serve-proxy --state redis://HOST:PORT[/DB]``).
+"""Router state shared between proxy replicas (``eldr serve-proxy --state redis[s]://HOST:PORT[/DB]``).
+
+Every message and heartbeat a replica writes is signed (:mod:`eldr_cli.proxy.stateauth`); what fails
+the check is dropped and counted. Connection options: :mod:`eldr_cli.proxy.stateconn`. Atomic
+select-and-reserve of decode slots (the herd): :mod:`eldr_cli.proxy.reserve`.
 
 The locality band needs every replica to see every decoder's load, or replicas pile requests onto
 the same "least loaded" decoder. What is shared, and how:
@@ -7,20 +11,23 @@ the same "least loaded" decoder. What is shared, and how:
   When they change, the replica publishes all of them (absolute values, with a version number) on
   ``<ns>:counts``: the first change after a quiet spell at once, a burst at most once per
   ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
-  request. Every ``HEARTBEAT_S`` it also writes them to its own hash ``<ns>:inflight:<replica>``
-  with a TTL of ``TTL_MS`` and reads the other live replicas' hashes
-  (which repairs any lost message: the newer version wins). The sum over the other replicas is
-  ``Worker.remote_inflight``, which the decision adds to the local count. A replica that dies stops
-  counting when its hash expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
-  A decision never waits for Redis: it reads the last counts that arrived.
+  request. Every ``HEARTBEAT_S`` it also writes them to its own key ``<ns>:inflight:<replica>``
+  with a TTL of ``TTL_MS`` and reads the other live replicas' keys (which repairs any lost message:
+  the newer version wins). The sum over the other replicas is
+  ``Worker.remote_inflight``, which the decision adds to the local count. The same message carries
+  named per-worker integer vectors (``set_local_vectors``; for stateful policies), summed over the
+  other replicas into ``Worker.remote_vectors[name]`` the same way. A replica that dies stops
+  counting when its key expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
+  A decision reads the last counts that arrived, then (reservation on) waits at most
+  ``--state-reserve-ms`` for one atomic round trip that picks and reserves the slot.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
   applied locally first (so a change refused on one replica is published nowhere), then published on
   ``<ns>:admin``; every other replica applies the same change. Health transitions (a worker marked
   down or up by a replica's checker) are published the same way.
 - **Outage.** If Redis cannot be reached, each replica routes on its local counts alone (the remote
   counts are dropped, not frozen), logs the outage once and counts it; sharing resumes by itself
-  when Redis answers again. No request path touches Redis, so none fails because of it.
-
+  when Redis answers again. No request fails because of Redis (a reservation that fails or is late
+  leaves the local decision).
 Decision logs stay per replica. :class:`LocalState` is the single-process default (nothing shared).
 """
 
@@ -31,11 +38,11 @@ import logging
 import time
 import uuid
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
-import orjson
-
-from eldr_cli.errors import EldrError
+from eldr_cli.proxy.reserve import Reserver
+from eldr_cli.proxy.stateauth import REASONS, Envelope
+from eldr_cli.proxy.stateconn import StateConn
+from eldr_cli.proxy.statecounts import parse_counts, sum_counts
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -43,6 +50,8 @@ HEARTBEAT_S = 0.1
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
+CHANGE_KINDS = ("policy", "workers", "reload", "health")
+MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
 
 
 class StateHost(Protocol):
@@ -50,22 +59,11 @@ class StateHost(Protocol):
 
     def all_workers(self) -> list[Any]: ...
 
+    def local_vectors(self) -> dict[str, dict[str, list[int]]]: ...
+
+    def remote_vectors_changed(self) -> None: ...
+
     def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
-
-
-def parse_state_url(value: str | None) -> str:
-    """``local`` or a ``redis://HOST:PORT[/DB]`` URL, checked; raises EldrError naming --state."""
-    if value is None or value == "local":
-        return "local"
-    try:
-        u = urlsplit(value)
-        port = u.port
-        db = u.path.strip("/")
-    except ValueError as e:
-        raise EldrError(f"--state {value!r} is not a valid URL: {e}") from None
-    if u.scheme != "redis" or not u.hostname or port is None or (db and not db.isdigit()):
-        raise EldrError(f"--state must be 'local' or redis://HOST:PORT[/DB], got {value!r}")
-    return value
 
 
 class LocalState:
@@ -78,6 +76,33 @@ class LocalState:
         self.errors = 0
         self.outages = 0
         self.in_outage = False
+        self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
+        self.env: Envelope | None = None
+        self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.reserve)
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        return self.env.rejected if self.env is not None else dict.fromkeys(REASONS, 0)
+
+    def ignored_origins(self, within_s: float = 60.0) -> list[str]:
+        """Origins (as claimed) whose messages failed the signature check lately: a replica with
+        another key, or someone forging."""
+        if self.env is None:
+            return []
+        now = time.time()
+        return sorted(o for o, t in self.env.ignored.items() if now - t <= within_s)
+
+    def release(self, request: Any) -> None:
+        """Give ``request.reserved`` (its reserved decode slot) back, once: its decode leg ended."""
+        if request.reserved is not None and self.reserver is not None:
+            self.reserver.release(request.reserved)
+        request.reserved = None
+
+    def set_local_vectors(self, name: str, vectors: dict[str, list[int]]) -> None:
+        """This replica's per-worker integer vectors named ``name`` (``{worker id: [int, ...]}``), for a
+        stateful policy; the other replicas see their sum in ``Worker.remote_vectors[name]``."""
+        self.local_vectors[name] = vectors
+        self.note_change()
 
     @property
     def live_replicas(self) -> int:
@@ -105,11 +130,10 @@ class RedisState(LocalState):
 
     kind = "redis"
 
-    def __init__(self, url: str, namespace: str = "eldr") -> None:
+    def __init__(self, conn: StateConn, key: bytes, reserve_ms: float = 0.0) -> None:
         super().__init__()
-        self.url = url
-        # pub/sub channels are server-wide, not per database: the database number is part of every name
-        self.ns = f"{namespace}:{urlsplit(url).path.strip('/') or '0'}"
+        self.conn, self.reserve_s, self.ns = conn, reserve_ms / 1000, conn.namespace
+        self.env = Envelope(key, self.ns, self.replica_id)
         self._replicas = 1
         self._last_sync = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,13 +141,13 @@ class RedisState(LocalState):
         self._redis: Any = None
         self._channel = f"{self.ns}:admin"
         self._counts_channel = f"{self.ns}:counts"
-        self.version = 0  # of this replica's published counts
-        self._others: dict[str, tuple[int, dict[str, int]]] = {}  # replica -> (version, counts)
+        # replica -> (sequence, counts, vectors): the newest verified state of each other replica
+        self._others: dict[str, tuple[int, dict[str, int], dict[str, dict[str, list[int]]]]] = {}
         self._flush_scheduled = False
         self._last_flush = float("-inf")  # loop time of the last counts message
 
     def _key(self, replica: str) -> str:
-        return f"{self.ns}:inflight:{replica}"
+        return f"{self.ns}:inflight:{replica}"  # its heartbeat (signed counts), with a TTL
 
     @property
     def live_replicas(self) -> int:
@@ -136,12 +160,13 @@ class RedisState(LocalState):
         import redis.asyncio as aioredis
 
         self._host = host
-        self._redis = aioredis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5,
-                                        health_check_interval=0)
+        self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
+        if self.reserve_s > 0:
+            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()), loop.create_task(self._subscribe_loop())]
         log.info("shared state", extra={"event": "state", "state": "redis", "replica": self.replica_id,
-                                        "staleness_bound_s": STALENESS_BOUND_S})
+                                        "namespace": self.ns, "staleness_bound_s": STALENESS_BOUND_S})
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -152,6 +177,8 @@ class RedisState(LocalState):
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        if self.reserver is not None:
+            await self.reserver.stop()
         if self._redis is not None:
             try:  # a clean stop leaves no counts behind (a crash leaves them until the TTL)
                 await self._redis.delete(self._key(self.replica_id))
@@ -165,39 +192,58 @@ class RedisState(LocalState):
             self._redis = None
 
     # -- counts ---------------------------------------------------------------------------------
+    def _sealed_counts(self) -> bytes:
+        """This replica's counts (and vectors, when a policy keeps some) as one signed message."""
+        assert self.env is not None and self._host is not None
+        workers = self._host.all_workers()
+        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers}}
+        local = {**self.local_vectors, **self._host.local_vectors()}
+        if local:
+            keys = {w.id: f"{w.role}|{w.url}" for w in workers}
+            payload["v"] = {name: {keys[wid]: vec for wid, vec in vecs.items() if wid in keys}
+                            for name, vecs in local.items()}
+        return self.env.seal("counts", payload)
+
+    def _accept_counts(self, data: bytes | str, replica: str | None = None) -> str | None:
+        """Verify a counts message (or a heartbeat value read from ``replica``'s key); keep it if it
+        is newer than what we have. Returns its origin when it verified."""
+        assert self.env is not None
+        msg = self.env.open(data, ("counts",))
+        if msg is None:
+            return None
+        if replica is not None and msg.origin != replica:
+            self.env.reject("malformed", origin=msg.origin)  # a valid value copied under another name
+            return None
+        try:
+            counts, vectors = parse_counts(msg.payload)
+        except (TypeError, ValueError, AttributeError, KeyError):
+            self.env.reject("malformed", origin=msg.origin)
+            return None
+        have = self._others.get(msg.origin)
+        if have is None or have[0] < msg.seq:  # a message newer than the heartbeat wins, and vice versa
+            self._others[msg.origin] = (msg.seq, counts, vectors)
+        return msg.origin
+
     async def sync_once(self) -> None:
         """Publish this replica's counts and read the others' (one heartbeat)."""
         assert self._host is not None and self._redis is not None
-        workers = self._host.all_workers()
-        self.version += 1
-        mine = {f"{w.role}|{w.url}": w.inflight for w in workers}
-        mine["_v"] = self.version  # also keeps the hash in existence when the replica has no workers
-        key = self._key(self.replica_id)
-        reg = f"{self.ns}:replicas"
+        key, reg = self._key(self.replica_id), f"{self.ns}:replicas"
         pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(key).hset(key, mapping=mine).pexpire(key, TTL_MS).sadd(reg, self.replica_id).smembers(reg)
+        pipe.set(key, self._sealed_counts(), px=TTL_MS).sadd(reg, self.replica_id).srandmember(reg, MAX_REPLICAS)
         res = await pipe.execute()
-        others = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in res[-1])
-        others = [o for o in others if o != self.replica_id]
-        hashes = []
-        if others:
-            pipe = self._redis.pipeline(transaction=False)
-            for o in others:
-                pipe.hgetall(self._key(o))
-            hashes = await pipe.execute()
-        gone, live = [], {}
-        for o, h in zip(others, hashes, strict=True):
-            if not h:
-                gone.append(o)  # expired: the replica stopped or died
-                continue
-            counts = {(f.decode() if isinstance(f, bytes) else f): int(v) for f, v in h.items()}
-            live[o] = (counts.pop("_v", 0), counts)
+        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[-1]} - {self.replica_id})
+        values = await self._redis.mget([self._key(o) for o in others]) if others else []
+        gone, live = [], set()
+        for o, v in zip(others, values, strict=True):
+            if v is None:
+                gone.append(o)  # expired: the replica stopped or died (or a name nobody writes)
+            elif self._accept_counts(v, replica=o) == o:
+                live.add(o)
         if gone:
             await self._redis.srem(reg, *gone)
-        for o, (v, counts) in live.items():  # a message newer than the hash wins
-            if o not in self._others or self._others[o][0] < v:
-                self._others[o] = (v, counts)
-        self._others = {o: vc for o, vc in self._others.items() if o in live}
+        if self.reserver is not None and (gone or int(time.monotonic()) != int(self._last_sync)):  # ~1/s
+            await self.reserver.cleanup()
+        self._others = {o: st for o, st in self._others.items() if o in live}
         self._apply_remote()
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
@@ -206,13 +252,17 @@ class RedisState(LocalState):
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
 
     def _apply_remote(self) -> None:
-        remote: dict[str, int] = {}
-        for _, counts in self._others.values():
-            for k, v in counts.items():
-                remote[k] = remote.get(k, 0) + v
+        remote, vectors = sum_counts([(c, v) for _, c, v in self._others.values()])
         if self._host is not None:
+            changed = False
             for w in self._host.all_workers():
-                w.remote_inflight = remote.get(f"{w.role}|{w.url}", 0)
+                k = f"{w.role}|{w.url}"
+                w.remote_inflight = remote.get(k, 0)
+                if vectors or w.remote_vectors:  # nothing to build while no policy keeps vectors
+                    w.remote_vectors = {name: acc[k] for name, acc in vectors.items() if k in acc}
+                    changed = True
+            if changed:
+                self._host.remote_vectors_changed()
 
     def note_change(self) -> None:
         if self._flush_scheduled or self._redis is None or self.in_outage:
@@ -233,23 +283,10 @@ class RedisState(LocalState):
         if self._host is None or self._redis is None:
             return
         self._last_flush = asyncio.get_running_loop().time()
-        self.version += 1
-        msg = orjson.dumps({"origin": self.replica_id, "v": self.version,
-                            "counts": {f"{w.role}|{w.url}": w.inflight for w in self._host.all_workers()}})
-        task = asyncio.get_running_loop().create_task(self._publish(msg, self._counts_channel))
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+        self._spawn_publish(self._sealed_counts(), self._counts_channel)
 
     def _on_counts(self, data: bytes) -> None:
-        try:
-            msg = orjson.loads(data)
-            origin, v, counts = msg["origin"], int(msg["v"]), msg["counts"]
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-            return
-        if origin == self.replica_id or not isinstance(counts, dict):
-            return
-        if origin not in self._others or self._others[origin][0] < v:
-            self._others[origin] = (v, {str(k): int(c) for k, c in counts.items()})
+        if self._accept_counts(data) is not None:
             self._apply_remote()
 
     def _failed(self, e: BaseException, *, outage: bool = True) -> None:
@@ -267,22 +304,34 @@ class RedisState(LocalState):
         self._apply_remote()
         self._replicas = 1
 
+    async def _beat(self) -> Exception | None:
+        """One heartbeat, its failure returned (not raised: a stop during it leaves no unretrieved error)."""
+        try:
+            await self.sync_once()
+        except Exception as e:
+            return e
+        return None
+
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self.sync_once(), timeout=1.0)
+                err = await asyncio.wait_for(self._beat(), timeout=1.0)
+                if err is not None:
+                    raise err
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # Redis down, timeouts, protocol errors: local routing
+            except Exception as e:  # Redis down, refused password, timeouts, protocol errors: local routing
                 self._failed(e)
             await asyncio.sleep(HEARTBEAT_S)
 
     # -- run-time changes -----------------------------------------------------------------------
     def publish_change(self, action: str, body: dict[str, Any]) -> None:
-        if self._redis is None:
+        if self._redis is None or self.env is None:
             return
-        msg = orjson.dumps({"origin": self.replica_id, "action": action, "body": body})
-        task = asyncio.get_running_loop().create_task(self._publish(msg, self._channel))
+        self._spawn_publish(self.env.seal(action, body), self._channel)
+
+    def _spawn_publish(self, msg: bytes, channel: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish(msg, channel))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
 
@@ -325,17 +374,13 @@ class RedisState(LocalState):
                         pass
 
     def _on_message(self, data: bytes) -> None:
-        try:
-            msg = orjson.loads(data)
-        except orjson.JSONDecodeError:
+        """A run-time change from another replica: verified here, validated by the host like a local one."""
+        assert self.env is not None
+        msg = self.env.open(data, CHANGE_KINDS, change=True)
+        if msg is None:
             return
-        if not isinstance(msg, dict) or msg.get("origin") == self.replica_id:
+        if not isinstance(msg.payload, dict):
+            self.env.reject("malformed", origin=msg.origin)
             return
-        action, body = msg.get("action"), msg.get("body")
-        if isinstance(action, str) and isinstance(body, dict) and self._host is not None:
-            self._host.apply_remote_change(action, body)
-
-
-def make_shared_state(spec: str) -> LocalState:
-    spec = parse_state_url(spec)
-    return LocalState() if spec == "local" else RedisState(spec)
+        if self._host is not None:
+            self._host.apply_remote_change(msg.kind, msg.payload)

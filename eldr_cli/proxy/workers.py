@@ -26,6 +26,7 @@ class Worker:
     healthy: bool = True
     inflight: int = 0              # requests dispatched by this proxy and not yet finished
     remote_inflight: int = 0       # other replicas' last published in-flight (shared state; 0 when local)
+    remote_vectors: dict[str, list[int]] = field(default_factory=dict)  # name -> other replicas' sum
     scraped_running: int | None = None  # vllm:num_requests_running from the worker's /metrics
     fail_streak: int = 0
     ok_streak: int = 0

@@ -1,0 +1,312 @@
+"""Signed shared state (issue 23): what signing costs, and the herd of replicas. STUB workers throughout.
+
+1. ``sign``: CPU per decision path of the signed counts message against the unsigned one it replaced:
+   building + sealing this replica's counts (done at most once per 10 ms burst, at most once per
+   decision) and opening + accepting it on another replica (each other replica does it once).
+   In-process, ``time.process_time`` over many messages; no Redis involved.
+2. ``cpu``: 2 replicas over one redis-server, CPU per request (both replicas + redis-server) at a fixed
+   Poisson rate, BEFORE (the branch's merge base with main, unpacked by ``git archive``) and AFTER
+   (this tree), in interleaved rounds against the same stubs and the same redis-server (a database each).
+3. ``herd``: bursts of arrivals (all requests of a burst at once, streamed slowly so they stay in
+   flight) through one proxy vs ``--workers 4`` (4 processes on one port, private redis-server); the
+   largest spread of requests running AT THE DECODERS (max - min of the stubs' own counts, sampled
+   every 20 ms). EMULATED: stub decoders, no model.
+
+Prints tables, writes bench-results/state.json. Usage: ``python benchmarks/bench_state.py [--parts sign,cpu,herd]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_proxy as bp  # noqa: E402
+import bench_replicas as br  # noqa: E402
+
+from eldr_cli.proxy.redis_server import RedisServer  # noqa: E402
+from eldr_cli.testing.ports import free_port  # noqa: E402
+from eldr_cli.testing.servers import wait_http  # noqa: E402
+
+ROOT = bp.ROOT
+W4 = ["--workers", "4"]
+HERD_VARIANTS = [("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"])] + [
+    (f"--workers 4, reservation ({ms} ms)", W4 + ["--state-reserve-ms", ms]) for ms in ("50", "500")]
+
+
+# ------------------------------------------------------------------------------------------ 1
+class _W:
+    def __init__(self, role, i):
+        self.role, self.url, self.id, self.inflight = role, f"http://10.0.0.{i}:8100", f"{role[0]}{i}", i % 7
+
+
+def _state_with(workers, vectors):
+    from eldr_cli.proxy.sharedstate import RedisState
+    from eldr_cli.proxy.stateconn import StateConn
+
+    class Host:
+        def all_workers(self):
+            return workers
+
+        def apply_remote_change(self, action, body):
+            pass
+
+        def local_vectors(self):
+            return {}
+
+        def remote_vectors_changed(self):
+            pass
+
+    st = RedisState(StateConn("redis://127.0.0.1:1/0"), b"k" * 32)
+    st._host = Host()
+    if vectors:
+        st.local_vectors["live"] = {w.id: list(range(vectors)) for w in workers if w.role == "decode"}
+    return st
+
+
+def _cpu_us(fn, n):
+    t0 = time.process_time()
+    for _ in range(n):
+        fn()
+    return (time.process_time() - t0) / n * 1e6
+
+
+def _sign_case(workers, vec: int, n: int) -> dict:
+    a, b = _state_with(workers, vec), _state_with(workers, 0)
+
+    def old_pub():
+        return orjson.dumps({"origin": "x", "v": 1, "counts": {f"{w.role}|{w.url}": w.inflight for w in workers}})
+
+    old = old_pub()
+
+    def old_sub():
+        m = orjson.loads(old)
+        return {str(k): int(c) for k, c in m["counts"].items()}
+
+    reps = []
+    for _ in range(3):  # interleaved repeats; the median is reported
+        msg = a._sealed_counts()  # fresh: inside the 5 s window while it is opened n times
+        body = msg.partition(b".")[2]
+        reps.append((_cpu_us(a._sealed_counts, n), _cpu_us(lambda m=msg: b._accept_counts(m), n),
+                     _cpu_us(old_pub, n), _cpu_us(old_sub, n), _cpu_us(lambda x=body: a.env._tag(x), n)))
+    seal, opn, opub, osub, tag = (float(np.median([r[i] for r in reps])) for i in range(5))
+    return {"seal_us": seal, "open_us": opn, "unsigned_publish_us": opub, "unsigned_receive_us": osub,
+            "signed_path_us": seal + opn, "hmac_us": tag, "added_us": seal + opn - opub - osub,
+            "message_bytes": len(msg), "unsigned_bytes": len(old)}
+
+
+def bench_sign(n: int = 20000) -> dict:
+    out = {}
+    for n_dec, vec in ((4, 0), (16, 0), (16, 64)):
+        workers = [_W("prefill", i) for i in range(2)] + [_W("decode", i) for i in range(n_dec)]
+        out[f"{n_dec}D{'+vec' + str(vec) if vec else ''}"] = _sign_case(workers, vec, n)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ 2
+def _before_tree(tmp: Path) -> Path:
+    base = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dst = tmp / "before"
+    dst.mkdir()
+    arch = subprocess.run(["git", "archive", base, "eldr_cli"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=arch, check=True)
+    return dst
+
+
+def _replica(tmp, name, tree, pre, dec, state, port, *extra):
+    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": "k" * 32}
+    p = bp._spawn([bp.PY, "-m", "eldr_cli", "serve-proxy", *sum((["--prefill", u] for u in pre), []),
+                   *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
+                   "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log", env=env)
+    wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
+    return p
+
+
+def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
+    ports = [free_port() for _ in range(4)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    before = _before_tree(tmp)
+    procs = [br._stubs(tmp, ports)]
+    rows = (("before", before, 1, []), ("after", ROOT, 2, []),
+            ("after, reservation off", ROOT, 3, ["--state-reserve-ms", "0"]))
+    res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, **{r[0]: [] for r in rows}}
+    with RedisServer() as redis:
+        try:
+            variants = {}
+            for name, tree, db, extra in rows:
+                rp = [free_port(), free_port()]
+                ps = [_replica(tmp, f"{name[:5]}{db}{i}", tree, pre, dec, f"redis://127.0.0.1:{redis.port}/{db}",
+                               rp[i], *extra) for i in range(2)]
+                procs += ps
+                variants[name] = (ps, [f"http://127.0.0.1:{p}" for p in rp])
+            time.sleep(1.0)
+            for _ in range(rounds):
+                for name, (ps, urls) in variants.items():
+                    c0 = sum(bp._cpu_s(p.pid) for p in ps) + bp._cpu_s(redis.proc.pid)
+                    out = br._loadgen_split(tmp, urls, rate, duration)
+                    cpu = sum(bp._cpu_s(p.pid) for p in ps) + bp._cpu_s(redis.proc.pid) - c0
+                    res[name].append({"cpu_us_per_request": cpu / max(1, out["ok"]) * 1e6, "ok": out["ok"],
+                                      "errors": out["errors"]})
+        finally:
+            for p in procs:
+                bp._stop(p)
+    b = np.median([r["cpu_us_per_request"] for r in res["before"]])
+    for name, *_ in rows:
+        res[f"median_us[{name}]"] = float(np.median([r["cpu_us_per_request"] for r in res[name]]))
+        res[f"ratio_to_before[{name}]"] = res[f"median_us[{name}]"] / float(b)
+    return res
+
+
+# ------------------------------------------------------------------------------------------ 3
+async def _bursts(url, n_bursts, size, gap_s, max_tokens):
+    import aiohttp
+
+    outcome = {"ok": 0, "error": 0}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async def one(i):
+            try:
+                async with s.post(url + "/v1/completions", json={"model": "m", "prompt": f"burst {i} " + "w " * 40,
+                                                                 "max_tokens": max_tokens, "stream": True}) as r:
+                    await r.read()
+                    outcome["ok" if r.status == 200 else "error"] += 1
+            except Exception:
+                outcome["error"] += 1
+
+        tasks = []
+        for b in range(n_bursts):
+            tasks += [asyncio.ensure_future(one(b * size + i)) for i in range(size)]
+            await asyncio.sleep(gap_s)
+        await asyncio.gather(*tasks)
+    return outcome
+
+
+def bench_herd(tmp: Path, args) -> dict:
+    ports = [free_port() for _ in range(6)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = br._stubs(tmp, ports, "--token-delay-s", "0.05")
+    out: dict = {"burst_size": args.burst_size, "bursts": args.bursts, "gap_s": args.burst_gap_s,
+                 "max_tokens": 20, "policy": "jsq", "note": "EMULATED: stub decoders"}
+    try:
+        for _ in range(args.herd_rounds):
+            for name, extra in HERD_VARIANTS:
+                port = free_port()
+                p = br._proxy(tmp, f"herd{len(out)}", pre, dec, port, "--policy", "jsq", *extra)
+                time.sleep(1.0)  # the workers find each other
+                stop, spreads = threading.Event(), []
+                th = threading.Thread(target=br._sample_spread, args=(dec, stop, spreads))
+                th.start()
+                t0 = time.perf_counter()
+                outcome = asyncio.run(_bursts(f"http://127.0.0.1:{port}", args.bursts, args.burst_size,
+                                              args.burst_gap_s, 20))
+                wall = time.perf_counter() - t0
+                stop.set()
+                th.join()
+                bp._stop(p)
+                out.setdefault(name, []).append({"requests": outcome, "wall_s": wall,
+                                                 "spread_max": int(max(spreads)) if spreads else None,
+                                                 "spread_p99": float(np.percentile(spreads, 99)) if spreads else None,
+                                                 "spread_mean": float(np.mean(spreads)) if spreads else None})
+                print(f"  {name}: {out[name][-1]}", flush=True)
+    finally:
+        bp._stop(stubs)
+    one = max(r["spread_max"] for r in out["1 proxy"])
+    for name, _ in HERD_VARIANTS[1:]:
+        four = max(r["spread_max"] for r in out[name])
+        out[f"spread_max_ratio[{name}] / 1 proxy"] = four / one if one else None
+    return out
+
+
+def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
+    """Client latency at a fixed Poisson rate through --workers 4 with and without the reservation
+    (stubs that answer at once: the figures are the proxy's own added time), interleaved rounds."""
+    ports = [free_port() for _ in range(4)]
+    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = br._stubs(tmp, ports)
+    variants = {name: extra[2:] for name, extra in HERD_VARIANTS[1:]}
+    procs, urls = {}, {}
+    out: dict = {"rate": rate, "duration_s": duration, "rounds": rounds}
+    try:
+        for name, extra in variants.items():
+            port = free_port()
+            procs[name] = br._proxy(tmp, f"lat-{len(procs)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
+            urls[name] = f"http://127.0.0.1:{port}"
+        time.sleep(1.0)
+        lat: dict = {k: [] for k in variants}
+        for _ in range(rounds):
+            for name in variants:
+                res = br._loadgen_split(tmp, [urls[name]], rate, duration)
+                lat[name] += res["lat_s"]
+                out.setdefault(f"errors[{name}]", 0)
+                out[f"errors[{name}]"] += res["errors"]
+        for name in variants:
+            out[f"p50_ms[{name}]"] = float(np.percentile(lat[name], 50) * 1e3)
+            out[f"p99_ms[{name}]"] = float(np.percentile(lat[name], 99) * 1e3)
+        # /metrics is answered by whichever of the 4 processes takes the connection: one process's counts
+        for name in list(variants)[1:]:
+            out[f"reservations_one_process[{name}]"] = dict(bp._metrics(urls[name]).get(
+                "eldr_proxy_state_reservations_total", []))
+    finally:
+        for p in [*procs.values(), stubs]:
+            bp._stop(p)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="sign,cpu,herd,latency")
+    ap.add_argument("--out", default="bench-results/state.json")
+    ap.add_argument("--rate", type=float, default=200.0)
+    ap.add_argument("--duration", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bursts", type=int, default=8)
+    ap.add_argument("--burst-size", type=int, default=16)
+    ap.add_argument("--burst-gap-s", type=float, default=0.5)
+    ap.add_argument("--herd-rounds", type=int, default=2)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="bench-state-"))
+    result: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())}}
+    if "sign" in parts:
+        result["sign"] = bench_sign()
+        print("signing, CPU us per message (median of 3):")
+        print(f"  {'workers':<10}{'seal':>7}{'open':>7}{'unsigned':>10}{'added':>7}{'2xHMAC':>8}{'bytes':>7}")
+        for k, v in result["sign"].items():
+            print(f"  {k:<10}{v['seal_us']:>7.2f}{v['open_us']:>7.2f}"
+                  f"{v['unsigned_publish_us'] + v['unsigned_receive_us']:>10.2f}{v['added_us']:>7.2f}"
+                  f"{2 * v['hmac_us']:>8.2f}"
+                  f"{v['message_bytes']:>7}")
+    if "cpu" in parts:
+        result["cpu"] = bench_cpu(tmp, args.rate, args.duration, args.rounds)
+        for k, v in result["cpu"].items():
+            if k.startswith(("median_us", "ratio")):
+                print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v:.3f}")
+    if "herd" in parts:
+        result["herd"] = bench_herd(tmp, args)
+        for k, v in result["herd"].items():
+            if k.startswith("spread_max_ratio"):
+                print(f"herd: {k} = {v}")
+    if "latency" in parts:
+        result["reserve_latency"] = bench_reserve_latency(tmp, args.rate, args.duration, args.rounds)
+        print("reservation latency:", json.dumps(result["reserve_latency"], indent=1))
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}  (load average {result['machine']['loadavg_start']} -> {result['machine']['loadavg_end']})")
+
+
+if __name__ == "__main__":
+    main()

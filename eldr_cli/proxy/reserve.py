@@ -1,0 +1,193 @@
+"""Atomic select-and-reserve of a decode slot in Redis: the cure for the herd of replicas.
+
+Replicas that read the same stale loads pick the same "least loaded" decoder: with 4 replicas behind
+one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
+(``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
+round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
+replicas and to reserve it; the slot is released when the decode leg ends. If Redis has not answered
+within the deadline (``--state-reserve-ms``, default 50), the local decision stands, and the late
+answer's slot is moved to the worker actually used (so the counts in Redis stay complete).
+
+The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
+only choose *among* candidates the replica picked from signed data: the policy's band (ELDR) or the
+healthy pool (JSQ), narrowed to the workers whose signed load is within ``SLACK`` of the least loaded.
+Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
+heartbeat key has expired are removed by the others (a crash does not leak slots for long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.routing import Decision
+
+log = logging.getLogger("eldr.proxy.state")
+
+SLACK = 4  # candidates: signed load <= least signed load in the band + SLACK
+RESULTS = ("ok", "timeout", "error", "skipped")
+
+_SELECT = """
+local h = redis.call('HGETALL', KEYS[1])
+local load = {}
+for i = 1, #h, 2 do
+  local p = string.find(h[i], '|', 1, true)
+  if p then
+    local w = string.sub(h[i], p + 1)
+    load[w] = (load[w] or 0) + (tonumber(h[i + 1]) or 0)
+  end
+end
+local best, bestn = 2, nil
+for i = 2, #ARGV do
+  local n = load[ARGV[i]] or 0
+  if bestn == nil or n < bestn then best, bestn = i, n end
+end
+redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|' .. ARGV[best], 1)
+return best - 2
+"""
+_RELEASE = """
+local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return v
+"""
+_MOVE = """
+local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
+"""
+_CLEANUP = """
+local n = 0
+for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local p = string.find(f, '|', 1, true)
+  if not p or redis.call('EXISTS', ARGV[1] .. string.sub(f, 1, p - 1)) == 0 then
+    redis.call('HDEL', KEYS[1], f)
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+@dataclass
+class Slot:
+    """A reserved decode slot: the worker key, and the late reservation still on its way (if any)."""
+
+    key: str
+    pending: asyncio.Task[Any] | None = None
+
+
+class Reserver:
+    """The reservation side of :class:`eldr_cli.proxy.sharedstate.RedisState` (one per replica)."""
+
+    def __init__(self, redis: Any, ns: str, replica_id: str, deadline_s: float):
+        self.key, self.replica_id, self.deadline_s = f"{ns}:reserved", replica_id, deadline_s
+        self.heartbeat_prefix = f"{ns}:inflight:"
+        self._redis = redis
+        self._select = redis.register_script(_SELECT)
+        self._release = redis.register_script(_RELEASE)
+        self._cleanup = redis.register_script(_CLEANUP)
+        self._move = redis.register_script(_MOVE)
+        self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
+        self._bg: set[asyncio.Task[Any]] = set()
+
+    async def choose(self, cands: Sequence[str]) -> tuple[int | None, asyncio.Task[Any] | None]:
+        """(index into ``cands`` of the reserved worker, None) in time; (None, the pending reservation)
+        when Redis is late (hand it to :meth:`late_slot` with the worker used instead); (None, None) on
+        errors."""
+        task = asyncio.get_running_loop().create_task(self._select(keys=[self.key], args=[self.replica_id, *cands]))
+        done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
+        if not done:
+            self.results["timeout"] += 1
+            return None, task
+        try:
+            i = int(task.result())
+        except Exception as e:  # noqa: BLE001 - Redis down or refusing: the local decision stands
+            self.results["error"] += 1
+            log.debug("reservation failed", extra={"event": "state", "error": str(e)})
+            return None, None
+        self.results["ok"] += 1
+        return (i, None) if 0 <= i < len(cands) else (None, None)
+
+    def late_slot(self, task: asyncio.Task[Any], cands: Sequence[str], used: str) -> Slot:
+        """The slot of ``used``, the worker chosen locally while the reservation was late: the late
+        answer's slot is moved to it, so the counts in Redis stay those of the requests in flight."""
+        return Slot(used, self._spawn(self._move_late(task, cands, used)))
+
+    async def _move_late(self, task: asyncio.Task[Any], cands: Sequence[str], local: str) -> None:
+        i = int(await task)
+        if cands[i] != local:
+            await self._move(keys=[self.key], args=[f"{self.replica_id}|{cands[i]}", f"{self.replica_id}|{local}"])
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back (after its late reservation has landed, if it was late)."""
+        self._spawn(self._release_after(slot))
+
+    async def _release_after(self, slot: Slot) -> None:
+        if slot.pending is not None:
+            await asyncio.wait({slot.pending})
+            if slot.pending.cancelled() or slot.pending.exception() is not None:
+                return  # nothing landed: nothing to give back
+        await self._release(keys=[self.key], args=[f"{self.replica_id}|{slot.key}"])
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._bg.discard(t)
+        if not t.cancelled():
+            t.exception()  # retrieved: a failed release is the outage path (fields expire with the replica)
+
+    async def cleanup(self) -> None:
+        """Drop the slots of replicas whose heartbeat key is gone (stopped or crashed)."""
+        await self._cleanup(keys=[self.key], args=[self.heartbeat_prefix])
+
+    async def stop(self) -> None:
+        for t in list(self._bg):
+            t.cancel()
+        try:  # a clean stop leaves no slots behind
+            fields = [f for f in await self._redis.hkeys(self.key)
+                      if (f.decode() if isinstance(f, bytes) else f).startswith(self.replica_id + "|")]
+            if fields:
+                await self._redis.hdel(self.key, *fields)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision, Slot | None]:
+    """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
+    was reserved: a policy that is not least-loaded-in-a-set, reservation off, Redis down)."""
+    sh = state.shared
+    rv = sh.reserver
+    if rv is None or sh.in_outage or state.router.name not in ("eldr", "jsq"):
+        if rv is not None:
+            rv.results["skipped"] += 1
+        return choice, None
+    workers = state.decode.workers
+    loads = state.decode.loads(state.cfg.scrape_metrics)
+    band = [int(k) for k in choice.band] if choice.band is not None else range(len(workers))
+    band = [k for k in band if workers[k].healthy]
+    if not band:
+        return choice, None
+    least = min(loads[k] for k in band)
+    cands = [workers[k] for k in band if loads[k] <= least + SLACK]
+    keys = [f"{w.role}|{w.url}" for w in cands]
+    i, late = await rv.choose(keys)
+    cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
+    if i is not None and cands[i] in cur:
+        return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])
+    if late is not None:  # decide locally now, on the loads of now (not those before the wait)
+        up = [w for w in cands if w in cur] or [w for w in cur if w.healthy] or cur
+        w = min(up, key=lambda w: w.load(state.cfg.scrape_metrics))
+        return dataclasses.replace(choice, worker=cur.index(w)), rv.late_slot(late, keys, f"{w.role}|{w.url}")
+    if i is not None:
+        rv.release(Slot(keys[i]))
+    return choice, None

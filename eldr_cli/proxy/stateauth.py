@@ -1,0 +1,175 @@
+"""Signed shared-state messages: one envelope for everything a replica publishes or writes to Redis.
+
+A sealed message is ``TAG.BODY``: BODY is the JSON ``{"o": origin, "s": sequence, "t": unix ms,
+"k": kind, "p": payload}`` exactly as sent, TAG the hex HMAC-SHA256 of ``namespace + "\\n" + BODY``
+under the key every replica shares. The tag covers the bytes on the wire, so there is no second
+encoding to get wrong, and the namespace, so a message of one deployment is worthless in another.
+A receiver checks the tag before it parses anything, then the time window and (for run-time
+changes) that the origin's sequence number grows; anything else is dropped, counted by reason
+(``eldr_proxy_state_rejected_total{reason}``) and logged once per reason and claimed origin.
+
+The key: ``--state-key-file`` (mode 600), else ``$ELDR_STATE_KEY``, else derived from the admin
+token (HKDF-SHA256 with a fixed label, so the token itself is never the MAC key). Never an option
+value: the command line is visible to every user of the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import orjson
+
+from eldr_cli.errors import EldrError
+
+log = logging.getLogger("eldr.proxy.state")
+
+KEY_ENV = "ELDR_STATE_KEY"
+MIN_KEY_BYTES = 16
+CHANGE_WINDOW_S = 30.0  # admin and health changes: older (or further ahead, clock skew) is stale
+COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a replay dies young
+REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed")
+_SALT = b"eldr serve-proxy shared state v1"
+_MAX_LOGGED = 1024  # (reason, origin) pairs remembered for log-once; origins are attacker-chosen
+
+
+def _hkdf(ikm: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869), one 32-byte block."""
+    prk = hmac.new(_SALT, ikm, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
+def read_secret_file(path: str, flag: str, min_bytes: int = 1) -> bytes:
+    """A secret from a file that only its owner (and group) can read; EldrError naming ``flag``."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise EldrError(f"{flag} {path} does not exist") from None
+    except OSError as e:
+        raise EldrError(f"{flag} {path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise EldrError(f"{flag} {path} is not a regular file")
+    if st.st_mode & 0o007:
+        raise EldrError(f"{flag} {path} is readable by every user of this host (mode {st.st_mode & 0o777:o})",
+                        hint=f"chmod 600 {path}")
+    try:
+        raw = p.read_bytes().strip()
+    except OSError as e:
+        raise EldrError(f"{flag} {path} cannot be read: {e.strerror}") from None
+    if not raw:
+        raise EldrError(f"{flag} {path} is empty")
+    if len(raw) < min_bytes:
+        raise EldrError(f"{flag} {path} holds {len(raw)} bytes; use at least {min_bytes}",
+                        hint="e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`")
+    return raw
+
+
+def resolve_state_key(key_file: str | None, admin_token: str | None, state: str) -> tuple[bytes, str]:
+    """(MAC key, where it came from) for ``--state redis://``; EldrError saying how to set one."""
+    if key_file:
+        return _hkdf(read_secret_file(key_file, "--state-key-file", MIN_KEY_BYTES), b"state key"), "key file"
+    env = os.environ.get(KEY_ENV)
+    if env:
+        if len(env.encode()) < MIN_KEY_BYTES:
+            raise EldrError(f"{KEY_ENV} holds {len(env.encode())} bytes; use at least {MIN_KEY_BYTES}",
+                            hint=f"export {KEY_ENV}=$(openssl rand -hex 32)")
+        return _hkdf(env.encode(), b"state key"), KEY_ENV
+    if admin_token:
+        return _hkdf(admin_token.encode(), b"from admin token"), "admin token"
+    raise EldrError(f"--state {state} needs a key every replica shares, to sign what they tell each other",
+                    hint=f"export {KEY_ENV}=$(openssl rand -hex 32) on every replica, or pass --state-key-file "
+                         "FILE (mode 600); ELDR_ADMIN_TOKEN also works (the key is derived from it)")
+
+
+class Opened(NamedTuple):
+    origin: str
+    seq: int
+    kind: str
+    payload: Any
+
+
+class Envelope:
+    """Seals this replica's messages and opens (verifies) the others'. Counters and the log-once memory
+    live here, one per replica."""
+
+    def __init__(self, key: bytes, namespace: str, origin: str):
+        self._mac = hmac.new(key, namespace.encode() + b"\n", hashlib.sha256)  # copied per message
+        self.origin = origin
+        self.seq = 0
+        self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self.ignored: dict[str, float] = {}  # claimed origin -> wall time of its last bad signature
+        self._last_change_seq: dict[str, int] = {}  # verified origin -> highest change sequence
+        self._logged: set[tuple[str, str]] = set()
+
+    def _tag(self, body: bytes) -> bytes:
+        m = self._mac.copy()
+        m.update(body)
+        return m.hexdigest().encode()
+
+    def seal(self, kind: str, payload: Any) -> bytes:
+        self.seq += 1
+        body = orjson.dumps({"o": self.origin, "s": self.seq, "t": int(time.time() * 1000), "k": kind,
+                             "p": payload})
+        return self._tag(body) + b"." + body
+
+    def open(self, data: bytes | str, kinds: tuple[str, ...], *, change: bool = False) -> Opened | None:
+        """The verified message, or None (own echo, or rejected and counted). ``change``: a run-time
+        change, whose sequence must grow per origin (a replay of one is refused even inside the window)."""
+        if isinstance(data, str):
+            data = data.encode()
+        tag, dot, body = data.partition(b".")
+        if not dot or len(tag) != 64:
+            self.reject("unsigned", data)
+            return None
+        if not hmac.compare_digest(self._tag(body), tag):
+            self.ignored[_claimed_origin(body)] = time.time()
+            if len(self.ignored) > 16:
+                self.ignored.pop(min(self.ignored, key=self.ignored.__getitem__))
+            self.reject("bad_signature", body)
+            return None
+        try:
+            msg = orjson.loads(body)
+            o, s, t, k, p = msg["o"], msg["s"], msg["t"], msg["k"], msg["p"]
+            if not (isinstance(o, str) and type(s) is int and type(t) is int and k in kinds):
+                raise ValueError("field types")
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            self.reject("malformed", body)
+            return None
+        if o == self.origin:
+            return None
+        window = CHANGE_WINDOW_S if change else COUNTS_WINDOW_S
+        if abs(time.time() * 1000 - t) > window * 1000:
+            self.reject("stale", body, o)
+            return None
+        if change:
+            if s <= self._last_change_seq.get(o, 0):
+                self.reject("replayed", body, o)
+                return None
+            self._last_change_seq[o] = s
+        return Opened(o, s, k, p)
+
+    def reject(self, reason: str, body: bytes = b"", origin: str | None = None) -> None:
+        """Count and (once per reason and origin) log a dropped message."""
+        self.rejected[reason] += 1
+        origin = origin if origin is not None else _claimed_origin(body)
+        if (reason, origin) not in self._logged and len(self._logged) < _MAX_LOGGED:
+            self._logged.add((reason, origin))
+            log.warning("shared state: message ignored", extra={
+                "event": "state_rejected", "reason": reason, "claimed_origin": origin})
+
+
+def _claimed_origin(body: bytes) -> str:
+    """The origin a message claims (unverified; for logs and /health only), bounded in length."""
+    try:
+        msg = orjson.loads(body)
+        o = msg.get("o", msg.get("origin")) if isinstance(msg, dict) else None
+    except orjson.JSONDecodeError:
+        o = None
+    return str(o)[:64] if o is not None else "?"

@@ -1,0 +1,167 @@
+"""Atomic select-and-reserve (the herd): replicas that decide at the same instant still spread their
+requests, slots are given back, and forged reservations move a choice only among near-least-loaded
+workers. Real redis-server, real in-process proxies, stub workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import redis as redis_py
+
+from eldr_cli.proxy import ProxyConfig, create_app
+from eldr_cli.proxy.redis_server import RedisServer
+from eldr_cli.proxy.reserve import SLACK, reserve_decode
+from eldr_cli.routing import Decision
+from eldr_cli.testing.servers import ServerThread
+from eldr_cli.testing.stub_worker import StubWorker
+
+TOKEN = "reserve-test-token"
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with RedisServer() as r:
+        r.free_dbs = iter(range(1, 16))  # a database (and channel names) per test
+        yield r
+
+
+@pytest.fixture
+def cluster(redis, request):
+    reserve_ms = getattr(request, "param", 50.0)
+    url = f"redis://{redis.host}:{redis.port}/{next(redis.free_dbs)}"
+    stubs = [StubWorker("p0")] + [StubWorker(f"d{i}", token_delay_s=0.05) for i in range(2)]
+    servers = [ServerThread(s).start() for s in stubs]
+    pre, dec = [servers[0].url], [s.url for s in servers[1:]]
+    reps = []
+    for _ in range(2):
+        cfg = ProxyConfig(prefill=pre, decode=dec, policy="jsq", state=url, admin_token=TOKEN,
+                          health_interval_s=0, state_reserve_ms=reserve_ms).validate()
+        app = create_app(cfg)
+        reps.append((app, ServerThread(app).start()))
+    yield url, reps, stubs[1:], dec
+    for _, s in reps:
+        s.stop()
+    for s in servers:
+        s.stop()
+
+
+def _until(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _stream(url, i, out):
+    with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                      json={"model": "m", "prompt": f"r{i}", "max_tokens": 30, "stream": True}) as r:
+        for _ in r.iter_bytes():
+            pass
+        out.append(r.status_code)
+
+
+def _burst(reps, decoders):
+    (a, sa), (b, sb) = reps
+    assert _until(lambda: a.state.shared.live_replicas == 2 and b.state.shared.live_replicas == 2)
+    out: list = []
+    ts = [threading.Thread(target=_stream, args=(s.url, i, out)) for i in range(8) for s in (sa, sb)]
+    for t in ts:
+        t.start()
+    assert _until(lambda: sum(d.running for d in decoders) == 16, 10)
+    return ts, out
+
+
+@pytest.mark.parametrize("cluster", [1000.0], indirect=True)  # a deadline no answer misses, even here
+def test_a_burst_on_two_replicas_is_spread_evenly(cluster):
+    _, reps, decoders, _ = cluster
+    ts, out = _burst(reps, decoders)
+    assert abs(decoders[0].running - decoders[1].running) <= 2, [d.running for d in decoders]
+    for t in ts:
+        t.join()
+    assert out == [200] * 16
+    assert sum(app.state.shared.reserver.results["ok"] for app, _ in reps) == 16
+
+
+def test_redis_counts_every_slot_even_late_ones_and_gets_them_all_back(cluster):
+    url, reps, decoders, dec = cluster
+    ns = reps[0][0].state.shared.ns
+    r = redis_py.Redis.from_url(url)
+
+    def reserved():
+        per = dict.fromkeys(dec, 0)
+        for f, v in r.hgetall(f"{ns}:reserved").items():
+            per[f.decode().split("|", 2)[2]] += int(v)
+        return [per[u] for u in dec]
+
+    ts, out = _burst(reps, decoders)  # with the default deadline: on a busy machine some answers are late
+    assert _until(lambda: reserved() == [d.running for d in decoders], 3), (reserved(), [d.running for d in decoders])
+    for t in ts:
+        t.join()
+    assert out == [200] * 16
+    assert _until(lambda: not r.hgetall(f"{ns}:reserved"), 3)  # all given back
+    r.close()
+
+
+def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster):
+    url, reps, _, dec = cluster
+    (a, sa), _ = reps
+    r = redis_py.Redis.from_url(url)
+    try:  # the attacker makes d0 look full in Redis (reservations are not signed)
+        r.hset(f"{a.state.shared.ns}:reserved", f"attacker|decode|{dec[0]}", 1000)
+
+        w1 = a.state.decode.find(dec[1])
+
+        async def choose(extra):  # d1 carries `extra` more requests in the signed counts than d0
+            w1.remote_inflight = extra - w1.inflight
+            choice, slot = await reserve_decode(a.state, Decision(0, "unused"))
+            a.state.shared.reserver.release(slot)
+            return choice.worker
+
+        assert sa.call(choose(SLACK)) == 1  # d1 is within SLACK of the least signed load: allowed
+        assert sa.call(choose(SLACK + 1)) == 0  # d1 is not: d0 is the only candidate
+    finally:
+        r.close()
+
+
+def test_eldr_live_replicas_see_each_others_live_sets(redis, tmp_path):
+    """eldr-live's per-decoder vectors ride the signed counts: replica B's view of the others plus its own
+    equals what one proxy holding every request would hold."""
+    import contextlib
+
+    from _proxy_util import build_routing
+
+    routing = build_routing(tmp_path, decoders=2)
+    url = f"redis://{redis.host}:{redis.port}/{next(redis.free_dbs)}"
+    stubs = [ServerThread(StubWorker("p0")).start()] + \
+            [ServerThread(StubWorker(f"d{i}", token_delay_s=0.05)).start() for i in range(2)]
+    reps = []
+    try:
+        for _ in range(2):
+            cfg = ProxyConfig(prefill=[stubs[0].url], decode=[s.url for s in stubs[1:]], policy="eldr-live",
+                              routing=str(routing), state=url, admin_token=TOKEN, health_interval_s=0).validate()
+            app = create_app(cfg)
+            reps.append((app, ServerThread(app).start()))
+        (a, sa), (b, sb) = reps
+        pa, pb = a.state.router.policy, b.state.router.policy
+        assert _until(lambda: b.state.shared.live_replicas == 2)
+        with httpx.Client(timeout=30) as c, contextlib.ExitStack() as stack:
+            for i in range(3):
+                r = stack.enter_context(c.stream("POST", sa.url + "/v1/completions", json={
+                    "model": "m", "prompt": f"held {i} " + "w " * (5 * i), "max_tokens": 60, "stream": True}))
+                lines = r.iter_lines()
+                next(lines)
+                stack.callback(lines.close)
+            assert pa.counts.sum() == 3
+            assert _until(lambda: (pb.remote == pa.counts).all() and (pb.counts + pb.remote).sum() == 3, 3), \
+                (pb.remote, pa.counts)
+        assert _until(lambda: not pb.remote.any(), 5)  # finished requests leave the others' view too
+    finally:
+        for _, s in reps:
+            s.stop()
+        for s in stubs:
+            s.stop()

@@ -1,0 +1,258 @@
+"""Replicas trust only each other (issue 23): the attack of the issue and its variants through a real
+redis-server (requirepass on), against real in-process proxies in front of stub workers; no mocks.
+
+The attacker has what the issue assumed: a Redis client (here even with the password) and no key."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+import redis as redis_py
+
+from eldr_cli.proxy import ProxyConfig, create_app
+from eldr_cli.proxy.redis_server import RedisServer
+from eldr_cli.proxy.stateauth import Envelope, resolve_state_key
+from eldr_cli.testing.servers import ServerThread
+from eldr_cli.testing.stub_worker import StubWorker
+
+TOKEN = "s3cret-admin-token"
+PASSWORD = "redis-pass-1"
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with RedisServer(password=PASSWORD) as r:
+        yield r
+
+
+_db = iter(range(1, 16))
+
+
+@pytest.fixture
+def redis_url(redis):
+    return f"redis://:{PASSWORD}@{redis.host}:{redis.port}/{next(_db)}"
+
+
+@pytest.fixture
+def stubs():
+    servers = [ServerThread(StubWorker(name)).start() for name in ("p0", "d0", "d1", "evil")]
+    yield [s.url for s in servers], servers[3].app
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def target(stubs, redis_url):
+    """Replica A over d0, d1; the attacker's Redis client; the namespace and the right key."""
+    (p0, d0, d1, evil), evil_stub = stubs
+    a, sa = _replica([p0], [d0, d1], redis_url)
+    r = redis_py.Redis.from_url(redis_url)
+    yield a, sa, r, a.state.shared.ns, resolve_state_key(None, TOKEN, redis_url)[0]
+    sa.stop()
+    r.close()
+
+
+def _replica(pre, dec, state, **kw):
+    kw.setdefault("admin_token", TOKEN)
+    cfg = ProxyConfig(prefill=pre, decode=dec, policy="jsq", state=state, health_interval_s=0, **kw).validate()
+    app = create_app(cfg)
+    return app, ServerThread(app).start()
+
+
+def _until(cond, timeout=5.0, step=0.05):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(step)
+    return False
+
+
+def _sealed(key: bytes, ns: str, origin: str, kind: str, payload, age_s: float = 0.0) -> bytes:
+    """A message signed with ``key``, its time ``age_s`` in the past."""
+    env = Envelope(key, ns, origin)
+    body = orjson.dumps({"o": origin, "s": 1, "t": int((time.time() - age_s) * 1000), "k": kind, "p": payload})
+    return env._tag(body) + b"." + body
+
+
+def _battery(r, seal, ns, evil, real_decoder):
+    """The issue's attack (and the counts and heartbeat variants), each message made by ``seal``."""
+    r.publish(f"{ns}:admin", seal("workers", {"action": "add", "role": "decode", "url": evil}))
+    r.publish(f"{ns}:admin", seal("health", {"role": "decode", "url": real_decoder, "healthy": False}))
+    r.publish(f"{ns}:admin", seal("policy", {"policy": "round-robin"}))
+    r.set(f"{ns}:inflight:ghost", seal("counts", {"c": {f"decode|{real_decoder}": 50}}), px=5000)
+    r.sadd(f"{ns}:replicas", "ghost")
+    r.publish(f"{ns}:counts", seal("counts", {"c": {f"decode|{real_decoder}": 50}}))
+
+
+def _view(url):
+    h = httpx.get(url + "/health").json()
+    return h, {w["url"]: w for w in h["workers"] if w["role"] == "decode"}
+
+
+def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, target):
+    (p0, d0, d1, evil), evil_stub = stubs
+    a, sa, r, ns, key = target
+    assert _until(lambda: a.state.shared.sync_age_s() < 0.5)
+    # the issue's messages verbatim (unsigned), then signed with another key, then signed but old
+    r.publish(f"{ns}:admin", orjson.dumps({"origin": "attacker", "action": "workers", "body": {
+        "action": "add", "role": "decode", "url": evil}}))
+    _battery(r, lambda k, p: orjson.dumps({"origin": "attacker", "action": k, "body": p}), ns, evil, d0)
+    _battery(r, lambda k, p: _sealed(b"not the key" * 3, ns, "attacker", k, p), ns, evil, d0)
+    _battery(r, lambda k, p: _sealed(key, ns, "attacker", k, p, age_s=120), ns, evil, d0)
+    # a genuine change, then the same bytes again (replayed) after a newer one
+    genuine = Envelope(key, ns, "replica-b")
+    m1 = genuine.seal("policy", {"policy": "round-robin"})
+    r.publish(f"{ns}:admin", m1)
+    assert _until(lambda: a.state.policy_name == "round-robin", 3)
+    r.publish(f"{ns}:admin", genuine.seal("policy", {"policy": "jsq"}))
+    assert _until(lambda: a.state.policy_name == "jsq", 3)
+    r.publish(f"{ns}:admin", m1)
+    time.sleep(0.5)  # several heartbeats
+    h, dec = _view(sa.url)
+    assert set(dec) == {d0, d1} and all(w["healthy"] for w in dec.values())
+    assert all(w["cluster_inflight"] == 0 for w in dec.values()) and h["replicas"] == 1
+    assert h["policy"] == "jsq"
+    for i in range(4):
+        resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": f"q{i}", "max_tokens": 2},
+                          timeout=30)
+        assert resp.status_code == 200
+    assert sum(evil_stub.stats.values()) == 0  # no prompt reached the attacker's server
+    rej = h["state_rejected"]
+    assert rej["unsigned"] >= 5 and rej["bad_signature"] >= 4 and rej["stale"] >= 4 and rej["replayed"] == 1
+    assert "attacker" in h["state_ignored_origins"]
+    metrics = httpx.get(sa.url + "/metrics").text
+    assert 'eldr_proxy_state_rejected_total{reason="bad_signature"}' in metrics
+
+
+def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
+    (p0, d0, d1, evil), _ = stubs
+    a, sa, r, ns, key = target
+    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0)
+    assert _until(lambda: len(a.state.decode) == 3 and a.state.policy_name == "round-robin"
+                  and a.state.shared.live_replicas == 2)
+    h, dec = _view(sa.url)
+    assert evil in dec and not dec[d0]["healthy"]
+    assert dec[d0]["cluster_inflight"] == 50 and h["replicas"] == 2  # the signed heartbeat counts
+    assert sum(h["state_rejected"].values()) == 0
+
+
+def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
+    (p0, d0, d1, _), _ = stubs
+    a, sa, r, ns, key = target
+    signed = Envelope(key, ns, "replica-b")
+    # the admin endpoint refuses these; signed remote copies are refused the same way
+    local = httpx.post(sa.url + "/admin/workers", json={"action": "add", "role": "decode",
+                                                        "url": "http://127.0.0.1:0"},
+                       headers={"authorization": f"Bearer {TOKEN}"})
+    assert local.status_code == 400
+    for kind, body in (("workers", {"action": "add", "role": "decode", "url": "http://127.0.0.1:0"}),
+                       ("workers", {"action": "add", "role": "decode", "url": "file:///etc/passwd"}),
+                       ("health", {"role": "decode", "url": d0, "healthy": "no"}),
+                       ("policy", {"policy": "nonsense"}),
+                       ("reload", {"routing": "/nonexistent"})):
+        r.publish(f"{ns}:admin", signed.seal(kind, body))
+    m = a.metrics
+    assert _until(lambda: sum(m.child(m.admin_actions, k, "remote_refused")._value.get()
+                              for k in ("workers", "health", "policy", "reload")) == 5)
+    assert [w.url for w in a.state.decode] == [d0, d1] and all(w.healthy for w in a.state.decode)
+    assert a.state.policy_name == "jsq"
+
+
+def test_a_replica_with_the_wrong_key_is_ignored_and_visible(stubs, redis_url, tmp_path):
+    (p0, d0, d1, _), _ = stubs
+    keyfile = tmp_path / "other.key"
+    keyfile.write_text("another-key-0123456789abcdef")
+    keyfile.chmod(0o600)
+    a, sa = _replica([p0], [d0, d1], redis_url)
+    c, sc = _replica([p0], [d0, d1], redis_url, state_key_file=str(keyfile))
+    try:
+        assert _until(lambda: c.state.shared.replica_id in httpx.get(sa.url + "/health").json()
+                      ["state_ignored_origins"])
+        h = httpx.get(sa.url + "/health").json()
+        assert h["replicas"] == 1 and h["state_rejected"]["bad_signature"] > 0
+        assert a.state.shared.replica_id in httpx.get(sc.url + "/health").json()["state_ignored_origins"]
+    finally:
+        sa.stop()
+        sc.stop()
+
+
+def test_vectors_of_two_replicas_sum_to_what_one_proxy_holds(stubs, redis_url):
+    (p0, d0, d1, _), _ = stubs
+    (a, sa), (b, sb), (c, sc) = (_replica([p0], [d0, d1], redis_url) for _ in range(3))
+    try:
+        assert _until(lambda: c.state.shared.live_replicas == 3)
+        va = {"d0": [1, 2, 3], "d1": [0, 1]}
+        vb = {"d0": [4, 5, 6], "d1": [7]}
+
+        async def put(app, vecs):
+            app.state.shared.set_local_vectors("live", vecs)
+
+        sa.call(put(a, va))
+        sb.call(put(b, vb))
+        one_proxy = {"d0": [5, 7, 9], "d1": [7, 1]}  # what a single proxy would hold for both
+        w0, w1 = c.state.decode.find(d0), c.state.decode.find(d1)
+        assert _until(lambda: w0.remote_vectors.get("live") == one_proxy["d0"]
+                      and w1.remote_vectors.get("live") == one_proxy["d1"], 3), (w0.remote_vectors, w1.remote_vectors)
+        assert a.state.decode.find(d0).remote_vectors["live"] == vb["d0"]  # the others' sum, not its own
+        sb.stop()  # a replica that leaves takes its vectors with it
+        assert _until(lambda: w0.remote_vectors.get("live") == va["d0"], 3)
+    finally:
+        for s in (sa, sb, sc):
+            s.stop()
+
+
+def test_two_deployments_share_one_redis_through_prefixes(stubs, redis_url):
+    (p0, d0, d1, _), _ = stubs
+    x1, sx1 = _replica([p0], [d0, d1], redis_url, state_prefix="blue")
+    x2, sx2 = _replica([p0], [d0, d1], redis_url, state_prefix="blue")
+    y, sy = _replica([p0], [d0, d1], redis_url, state_prefix="green")
+    try:
+        assert _until(lambda: x1.state.shared.live_replicas == 2)
+        r = httpx.post(sy.url + "/admin/policy", json={"policy": "round-robin"},
+                       headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+        time.sleep(0.5)
+        assert y.state.shared.live_replicas == 1 and x1.state.policy_name == x2.state.policy_name == "jsq"
+        assert sum(x1.state.shared.rejected.values()) == 0  # nothing of green's even reached blue
+    finally:
+        for s in (sx1, sx2, sy):
+            s.stop()
+
+
+def test_redis_rejecting_the_password_later_is_an_outage_not_a_crash(stubs):
+    (p0, d0, d1, _), _ = stubs
+    with RedisServer(password=PASSWORD) as srv:
+        url = f"redis://:{PASSWORD}@{srv.host}:{srv.port}/0"
+        (a, sa), (_, sb) = _replica([p0], [d0, d1], url), _replica([p0], [d0, d1], url)
+        admin = redis_py.Redis.from_url(url)
+        try:
+            assert _until(lambda: a.state.shared.live_replicas == 2)
+            admin.config_set("requirepass", "rotated")
+            admin.client_kill_filter(_type="normal", skipme=True)  # the replicas must log in again
+            assert _until(lambda: a.state.shared.in_outage, 5)
+            resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
+                              timeout=30)
+            assert resp.status_code == 200 and a.state.shared.outages == 1
+            assert httpx.get(sa.url + "/health").json()["replicas"] == 1
+        finally:
+            sa.stop()
+            sb.stop()
+            admin.close()
+
+
+def test_envelope_binds_bytes_namespace_and_sequence():
+    key = b"k" * 32
+    a, b = Envelope(key, "eldr:0", "a"), Envelope(key, "eldr:0", "b")
+    msg = a.seal("policy", {"policy": "jsq"})
+    assert b.open(msg, ("policy",), change=True).payload == {"policy": "jsq"}
+    assert b.open(msg, ("policy",), change=True) is None and b.rejected["replayed"] == 1
+    tampered = msg.replace(b'"jsq"', b'"rr!"')
+    assert b.open(tampered, ("policy",)) is None and b.rejected["bad_signature"] == 1
+    other_ns = Envelope(key, "blue:0", "c")
+    assert other_ns.open(a.seal("policy", {}), ("policy",)) is None and other_ns.rejected["bad_signature"] == 1
+    assert a.open(a.seal("policy", {}), ("policy",)) is None and sum(a.rejected.values()) == 0  # own echo
+    assert b.open(a.seal("counts", {}), ("policy",)) is None and b.rejected["malformed"] == 1  # wrong kind
