@@ -13,13 +13,13 @@ PAIRS ?= 20000
 SEED ?= 0
 TRACE ?= $(ART)/trace
 
-.PHONY: venv deps-system lint test test-fast test-slow demo fit bench-fit lock clean help
+.PHONY: venv deps-system lint test test-fast test-kernels test-slow demo fit bench-fit lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make demo      set up .venv and run the whole pipeline on the embedded default"
 	@echo "make lint      ruff + mypy (config in pyproject.toml)"
-	@echo "make test      lint, then the fast tests, then the slow and vLLM ones"
+	@echo "make test      lint, then the fast tests, the fit reference under two BLAS kernels, then the slow and vLLM ones"
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
@@ -55,10 +55,16 @@ deps-system:
 	fi
 
 # fast tests first: a broken build fails in a minute, not after the vLLM tests
-test: lint deps-system test-fast test-slow
+test: lint deps-system test-fast test-kernels test-slow
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+
+# the pinned fit reference under two OpenBLAS kernels (their float32 rounding differs; see
+# tests/test_fit_reference.py for the measured spread): green on one CPU must mean green on another
+test-kernels: venv
+	OPENBLAS_CORETYPE=Haswell $(BIN)/python -m pytest -q tests/test_fit_reference.py
+	env -u OPENBLAS_CORETYPE $(BIN)/python -m pytest -q tests/test_fit_reference.py
 
 test-slow: venv deps-chromium
 	$(BIN)/python -m pytest -q -m "slow or vllm"

@@ -574,7 +574,7 @@ def test_given_option_values_convert_as_typer_converts_them():
     from typer._coercion import build_runtime_param
     from typer.main import get_command
 
-    from eldr_cli import main
+    from eldr_cli import main, typer_speedups
 
     main._register()
 
@@ -592,7 +592,7 @@ def test_given_option_values_convert_as_typer_converts_them():
                 continue
             for s in samples:
                 try:
-                    ours = ("ok", main._plain_value(p, ctx, s))
+                    ours = ("ok", typer_speedups._plain_value(p, ctx, s))
                 except Exception as e:  # noqa: BLE001 - compared with typer's below
                     ours = ("error", f"{type(e).__name__}: {e}")
                 if ours == ("ok", None):
@@ -605,3 +605,12 @@ def test_given_option_values_convert_as_typer_converts_them():
                 assert ours == theirs and type(ours[1]) is type(theirs[1]), (cmd.name, p.name, s)
                 checked += 1
     assert checked > 300
+
+
+def test_typer_speedups_leave_an_untested_typer_alone(monkeypatch):
+    import typer
+
+    from eldr_cli import typer_speedups
+
+    monkeypatch.setattr(typer, "__version__", "0.30.0")
+    assert typer_speedups.apply(help_only=True) is False

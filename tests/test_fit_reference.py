@@ -1,7 +1,8 @@
 """The fit's outputs pinned to the values computed before the issue-15 speed work, on fixed generated traces.
 
-Any optimisation of greedy layer selection, signatures or the fit command must leave these unchanged
-(rho to 1e-6; the chosen order and transform exactly).
+Any optimisation of greedy layer selection, signatures or the fit command must leave these unchanged:
+the chosen transform, layer order, N* and cluster sizes exactly; rho within a tolerance measured across
+BLAS kernels (below). `make test-kernels` reruns this file under two OpenBLAS kernels.
 """
 
 from __future__ import annotations
@@ -11,11 +12,27 @@ import json
 import numpy as np
 import pytest
 
+from eldr_cli.artifacts.store import Artifact
 from eldr_cli.artifacts.trace import write_trace
 from eldr_cli.pipeline.fit import run_fit
 from eldr_cli.stages.idf import ExpertIDF
 from eldr_cli.stages.layers import LayerSelector
 from eldr_cli.synth import synthetic_trace
+
+# rho is ranked from float32 pair distances (one SGEMM), whose rounding depends on the OpenBLAS kernel's
+# summation order. Measured (issue 22) with OPENBLAS_CORETYPE unset (this CPU's own pick: avx512), Haswell, SkylakeX,
+# Sandybridge, Zen and Prescott on the two traces below: transforms, layer order, N*, cluster sizes and
+# labels identical under all six; the largest spread of a rho was 5.4e-6 for the cumulative rhos, 1.3e-5
+# for a transform's rho (gate-logit) and 2.2e-4 for binary (binary signatures give many exactly tied
+# distances, and which of them stay tied in float32 depends on the kernel). The tolerances keep ~4x of
+# margin and stay far below the pair sample's own sd(rho) of ~5e-3 (BRIEF, Eq. 1).
+RHO_ATOL = 5e-5
+BINARY_RHO_ATOL = 1e-3
+
+
+def _rho_atol(transform: str) -> float:
+    return BINARY_RHO_ATOL if transform == "binary" else RHO_ATOL
+
 
 # computed on main at c0d963b (before issue 15's changes)
 ORDER = [4, 8, 10, 0, 2, 6, 9, 11, 1, 3, 5, 7]
@@ -25,6 +42,12 @@ RHO_BY_TRANSFORM = {"count": 0.8286469931, "count-idf": 0.7137618684, "sqrt": 0.
                     "binary": 0.0536861965, "gate-prob": 0.6538503231, "gate-logit": 0.6915932008}
 
 
+# cluster of each request of the fit test's trace ("." = an evaluation row, label -1); identical under all
+# six kernels (the objective differs by < 1e-14)
+LABELS = ("3032012230311.3..32002021103.20.3...101.0.2112233102.23111.1.331132132223.."
+          "0.0.0.021100022211201003.2201..10211133302103.03..20012.3310323.32.203..3.3")
+
+
 def test_greedy_layer_selection_matches_reference():
     t = synthetic_trace(120, 12, 32, 4, seed=3, decode_steps=32)
     idf = ExpertIDF().fit(t.prefill_counts).idf_
@@ -32,10 +55,10 @@ def test_greedy_layer_selection_matches_reference():
     s = LayerSelector(n_pairs=2000, seed=1).fit(t.prefill_counts, t.decode_counts, t.decode_steps, idf, gates)
     assert s.transform_ == "count" and s.n_layers_ == 6
     assert s.order_.tolist() == ORDER
-    np.testing.assert_allclose(s.cumulative_rho_, CUM_RHO, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(s.cumulative_rho_, CUM_RHO, rtol=0, atol=RHO_ATOL)
     assert s.rho_by_transform_.keys() == RHO_BY_TRANSFORM.keys()
     for k, v in RHO_BY_TRANSFORM.items():
-        assert s.rho_by_transform_[k] == pytest.approx(v, abs=1e-6), k
+        assert s.rho_by_transform_[k] == pytest.approx(v, abs=_rho_atol(k)), k
 
 
 def test_fit_command_outputs_match_reference(tmp_path):
@@ -43,12 +66,14 @@ def test_fit_command_outputs_match_reference(tmp_path):
     run_fit(tmp_path / "t", tmp_path / "f", decoders=4, pairs=3000, figures=False)
     m = json.loads((tmp_path / "f" / "manifest.json").read_text())["metrics"]
     assert m["transform"] == "count" and m["n_layers_kept"] == 6 and m["cluster_sizes"] == [30, 30, 30, 30]
-    assert m["rho_peak"] == pytest.approx(0.8512855047963571, abs=1e-6)
+    assert m["rho_peak"] == pytest.approx(0.8512855047963571, abs=RHO_ATOL)
     assert m["objective"] == pytest.approx(10.266842681986995, rel=1e-9)
+    labels = Artifact(tmp_path / "f" / "routing").array("labels")
+    assert "".join("." if x < 0 else str(x) for x in labels.tolist()) == LABELS
     ref = {"binary": -0.011581084037927564, "count": 0.8152459530281193, "count-idf": 0.6901794063232378,
            "gate-logit": 0.7104906993793397, "gate-prob": 0.6348472858606249, "sqrt": 0.7188654398848737}
     for k, v in ref.items():
-        assert m["rho_by_transform"][k] == pytest.approx(v, abs=1e-6), k
+        assert m["rho_by_transform"][k] == pytest.approx(v, abs=_rho_atol(k)), k
 
 
 def test_numpy_rank_equals_scipy_rankdata():

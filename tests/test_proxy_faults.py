@@ -46,10 +46,10 @@ def test_prefill_errors_everywhere_give_502_with_reason(cluster):
 
 
 def test_prefill_timeout_then_retry_then_502(cluster):
-    t0 = time.monotonic()
     r = _complete(cluster.url, "[[fault:prefill_timeout]] slow prompt")
     assert r.status_code == 502 and "no answer within 0.5 s" in r.json()["error"]["message"]
-    assert time.monotonic() - t0 < 2.9  # two 0.5 s legs, not the stub's 3 s sleep
+    # both legs ended by the proxy's 0.5 s timeout, not by the stub's 3 s sleep (counted, not timed:
+    # a wall-clock bound fails on a loaded machine)
     assert cluster.metric("eldr_proxy_upstream_errors_total", role="prefill", kind="timeout") == 2
     assert sum(cluster.inflight()) == 0
 

@@ -31,29 +31,13 @@ import numpy as np
 
 from eldr_cli import __version__
 from eldr_cli.artifacts.guard import MANIFEST, _os_error, check_output, replacing, sha256_file, verify_on_read
+from eldr_cli.artifacts.schema import MANIFESTS_DIR, SCHEMA_VERSIONS, read_manifest, schema_file, validate_manifest
 from eldr_cli.errors import EldrError
 
 ARRAYS = "data.zarr"
-__all__ = ["Artifact", "ArtifactWriter", "MANIFEST", "ARRAYS", "check_output", "replacing", "sha256_file",
-           "verify_on_read", "read_manifest", "validate_manifest", "input_hash"]
-
-# Newest schema version of each artifact kind this tool reads and writes.
-SCHEMA_VERSIONS: dict[str, int] = {
-    "trace": 1,
-    "idf": 1,
-    "layers": 1,
-    "routing": 1,
-    "fit": 1,
-    "placement": 1,
-    "placement-eval": 1,
-    "cost-model": 1,
-    "bench": 1,
-    "replay": 1,
-}
-
-# The JSON Schemas ship inside the package (eldr_cli/schemas; in the repository a link to manifests/).
-MANIFESTS_DIR = Path(__file__).resolve().parents[1] / "schemas"
-
+__all__ = ["Artifact", "ArtifactWriter", "MANIFEST", "MANIFESTS_DIR", "ARRAYS", "SCHEMA_VERSIONS", "check_output",
+           "replacing", "sha256_file", "verify_on_read", "read_manifest", "schema_file", "validate_manifest",
+           "input_hash"]
 
 def _hash_tree(root: Path, known: dict[str, str] | None = None) -> dict[str, str]:
     """sha256 of every file below ``root`` except the manifest, keyed by relative posix path.
@@ -134,7 +118,7 @@ class ArtifactWriter:
         self.overwrite = overwrite
         self.input_digests = input_digests or {}  # input name -> {relative path: sha256} already computed
         self._t0 = time.perf_counter()
-        self._group = None
+        self._group: Any = None  # the zarr group, opened on first use
         self.tmp: Path | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -268,65 +252,7 @@ class RowWriter:
         self.n_pending = len(buf) - n
 
 
-# -- reading -------------------------------------------------------------------------------
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    mf = p / MANIFEST
-    if not p.exists():
-        raise EldrError(f"{p} does not exist", hint="run the stage that writes it first (see `eldr --help`)")
-    if not mf.is_file():
-        raise EldrError(f"{p} is not an eldr artifact (no {MANIFEST})")
-    try:
-        m = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EldrError(f"{mf} is not valid JSON: {e}") from None
-    if not isinstance(m, dict) or m.get("tool") != "eldr" or "kind" not in m:
-        raise EldrError(f"{mf} is not an eldr manifest (expected tool=eldr and a kind)")
-    return m
-
-
-_schema_cache: dict[str, dict] = {}
-
-
-def _load_schema(name: str) -> dict:
-    if name not in _schema_cache:
-        f = MANIFESTS_DIR / name
-        if not f.is_file():
-            raise EldrError(f"JSON Schema {f} is missing from the installation")
-        _schema_cache[name] = json.loads(f.read_text())
-    return _schema_cache[name]
-
-
-def schema_file(kind: str, version: int | None = None) -> str:
-    return f"{kind}.v{version or SCHEMA_VERSIONS[kind]}.schema.json"
-
-
-def validate_manifest(m: dict) -> None:
-    """Check a manifest against the JSON Schema of its kind and version (manifests/)."""
-    import jsonschema
-    from referencing import Registry, Resource
-
-    kind = m.get("kind")
-    if kind not in SCHEMA_VERSIONS:
-        raise EldrError(f"unknown artifact kind {kind!r}; this eldr knows {sorted(SCHEMA_VERSIONS)}")
-    version = m.get("schema_version")
-    if not isinstance(version, int):
-        raise EldrError(f"manifest has no integer schema_version (kind {kind})")
-    if version > SCHEMA_VERSIONS[kind]:
-        raise EldrError(
-            f"{kind} artifact has schema version {version}, newer than this eldr supports "
-            f"({SCHEMA_VERSIONS[kind]})", hint="upgrade eldr or rebuild the artifact with this version")
-    base = _load_schema("manifest.schema.json")
-    registry = Registry().with_resource("manifest.schema.json", Resource.from_contents(base))
-    schema = _load_schema(schema_file(kind, version))
-    v = jsonschema.Draft202012Validator(schema, registry=registry)
-    errors = sorted(v.iter_errors(m), key=lambda e: list(e.path))
-    if errors:
-        e = errors[0]
-        where = "/".join(str(x) for x in e.path) or "(top level)"
-        raise EldrError(f"{kind} manifest does not match {schema_file(kind, version)} at {where}: {e.message}")
-
+# -- reading (manifests and their schemas: eldr_cli.artifacts.schema) ------------------------
 
 class Artifact:
     """A read-only view of an artifact directory; its files are verified against the manifest on open."""
@@ -344,7 +270,7 @@ class Artifact:
             validate_manifest(self.manifest)
         if verify:
             verify_on_read(self)
-        self._group = None
+        self._group: Any = None  # the zarr group, opened on first use
 
     @property
     def kind(self) -> str:

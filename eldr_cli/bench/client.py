@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import orjson
@@ -90,10 +91,8 @@ async def probe(session, cfg: ClientConfig) -> str:
     raise EldrError(f"{url}/v1/models did not list a model; pass --model")
 
 
-async def _one(session, cfg: ClientConfig, model: str, item: PromptItem, rid: int, sched_t: float, t_zero: float,
-               rec: dict, stats: LiveStats) -> None:
-    import aiohttp
-
+def _request(cfg: ClientConfig, model: str, item: PromptItem) -> tuple[dict[str, Any], dict[str, str]]:
+    """The streamed completion request for ``item``: (JSON body, headers)."""
     body = {"model": model, "prompt": item.prompt, "max_tokens": cfg.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0, **cfg.extra_body}
     if cfg.ignore_eos:
@@ -103,67 +102,97 @@ async def _one(session, cfg: ClientConfig, model: str, item: PromptItem, rid: in
         headers["Authorization"] = f"Bearer {cfg.api_key}"
     if cfg.domain_header and item.domain:
         headers[DOMAIN_HEADER] = str(item.domain)
+    return body, headers
+
+
+class _Answer:
+    """What one streamed answer carried: token arrival times, usage, and how it ended."""
+
+    def __init__(self) -> None:
+        self.token_times: list[float] = []
+        self.usage: dict[str, Any] | None = None
+        self.finished = False
+        self.outcome: str = "ok"
+        self.error: str | None = None
+
+    def feed(self, ev: bytes, now: float, stats: LiveStats) -> None:
+        """One server-sent event (``data: {...}`` or ``data: [DONE]``) that arrived at ``now``."""
+        if not ev.startswith(b"data:"):
+            return
+        payload = ev[5:].strip()
+        if payload == b"[DONE]":
+            self.finished = True
+            return
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.outcome, self.error = "error", f"malformed SSE event: {payload[:80]!r}"
+            return
+        if obj.get("error"):
+            self.outcome, self.error = "error", str(obj["error"])[:300]
+            return
+        ch = obj.get("choices") or []
+        if ch:
+            c0 = ch[0]
+            txt = c0.get("text")
+            if txt is None:
+                txt = (c0.get("delta") or {}).get("content")
+            if txt:
+                self.token_times.append(now)
+                stats.tokens += 1
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+
+    async def read(self, resp, stats: LiveStats) -> None:
+        """Consume the response's event stream."""
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            now = time.perf_counter()
+            buf += chunk
+            while b"\n\n" in buf:
+                ev, buf = buf.split(b"\n\n", 1)
+                self.feed(ev.strip(), now, stats)
+        if self.outcome == "ok" and not self.finished:
+            self.outcome, self.error = "incomplete", "stream ended without [DONE]"
+
+
+async def _one(session, cfg: ClientConfig, model: str, item: PromptItem, rid: int, sched_t: float, t_zero: float,
+               rec: dict, stats: LiveStats) -> None:
+    import aiohttp
+
+    body, headers = _request(cfg, model, item)
     t_send = time.perf_counter()
     rec["sent_s"] = t_send - t_zero
     rec["lag_ms"] = (t_send - (t_zero + sched_t)) * 1e3
     stats.lag_ms.append(rec["lag_ms"])
-    token_times: list[float] = []
-    usage = None
-    finished = False
-    outcome, error = "ok", None
+    a = _Answer()
     try:
         async with session.post(base_url(cfg.url) + cfg.endpoint, data=orjson.dumps(body), headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s,
                                                               sock_connect=cfg.connect_timeout_s)) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
-                outcome, error = "http_error", f"HTTP {resp.status}: {text}"
+                a.outcome, a.error = "http_error", f"HTTP {resp.status}: {text}"
             else:
-                buf = b""
-                async for chunk in resp.content.iter_any():
-                    now = time.perf_counter()
-                    buf += chunk
-                    while b"\n\n" in buf:
-                        ev, buf = buf.split(b"\n\n", 1)
-                        ev = ev.strip()
-                        if not ev.startswith(b"data:"):
-                            continue
-                        payload = ev[5:].strip()
-                        if payload == b"[DONE]":
-                            finished = True
-                            continue
-                        try:
-                            obj = orjson.loads(payload)
-                        except orjson.JSONDecodeError:
-                            outcome, error = "error", f"malformed SSE event: {payload[:80]!r}"
-                            continue
-                        if obj.get("error"):
-                            outcome, error = "error", str(obj["error"])[:300]
-                            continue
-                        ch = obj.get("choices") or []
-                        if ch:
-                            c0 = ch[0]
-                            txt = c0.get("text")
-                            if txt is None:
-                                txt = (c0.get("delta") or {}).get("content")
-                            if txt:
-                                token_times.append(now)
-                                stats.tokens += 1
-                        if obj.get("usage"):
-                            usage = obj["usage"]
-                if outcome == "ok" and not finished:
-                    outcome, error = "incomplete", "stream ended without [DONE]"
+                await a.read(resp, stats)
     except asyncio.TimeoutError:
-        outcome, error = "timeout", f"no complete answer within {cfg.timeout_s:g} s"
+        a.outcome, a.error = "timeout", f"no complete answer within {cfg.timeout_s:g} s"
     except aiohttp.ClientConnectorError as e:
-        outcome, error = "connect_error", str(e)[:300]
+        a.outcome, a.error = "connect_error", str(e)[:300]
     except (aiohttp.ClientError, OSError) as e:
-        outcome, error = ("incomplete" if token_times else "connect_error"), f"{type(e).__name__}: {e}"[:300]
-    if outcome == "ok" and not token_times:
-        outcome, error = "incomplete", "no tokens streamed"
+        a.outcome, a.error = ("incomplete" if a.token_times else "connect_error"), f"{type(e).__name__}: {e}"[:300]
+    _record(rec, stats, a, t_send)
+
+
+def _record(rec: dict, stats: LiveStats, a: _Answer, t_send: float) -> None:
+    """The request's row (outcome, TTFT, TPOT, ITL, E2EL) and the live counters, from its answer."""
+    token_times, usage = a.token_times, a.usage
+    if a.outcome == "ok" and not token_times:
+        a.outcome, a.error = "incomplete", "no tokens streamed"
+    outcome = a.outcome
     n_out = int(usage.get("completion_tokens", len(token_times))) if usage else len(token_times)
-    rec["outcome"], rec["error"] = outcome, error
-    rec["prompt_tokens"] = int(usage.get("prompt_tokens")) if usage and usage.get("prompt_tokens") is not None else None
+    rec["outcome"], rec["error"] = outcome, a.error
+    rec["prompt_tokens"] = int(usage["prompt_tokens"]) if usage and usage.get("prompt_tokens") is not None else None
     rec["output_tokens"] = n_out if outcome == "ok" else len(token_times)
     if token_times:
         rec["ttft_ms"] = (token_times[0] - t_send) * 1e3

@@ -203,6 +203,7 @@ async def _bench(cfg: ClientConfig, items: list[PromptItem], plan: SweepPlan, mo
         refresher = None
 
         async def refresh():
+            assert liveview is not None  # started only with --live
             while True:
                 await asyncio.sleep(0.5)
                 liveview.update(_render(stats, mode, runs), refresh=True)

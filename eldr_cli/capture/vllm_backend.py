@@ -19,6 +19,7 @@ Gate probabilities are not exposed by the hook, so this backend records counts a
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class VllmBackend:
 
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        sites = []
+        sites: list[tuple[Any, ...]] = []
         for name, mod in model.named_modules():
             router = getattr(mod, "router", None)
             if isinstance(router, BaseRouter) and not any(router is s[2] for s in sites):

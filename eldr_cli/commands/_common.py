@@ -6,8 +6,6 @@ from typing import Optional
 
 import typer
 
-SPLIT_NAMES = ("calibration", "evaluation", "all")
-
 _done: dict[str, bool] = {"skip_teardown": False}
 
 
@@ -23,14 +21,22 @@ def teardown_skipped() -> bool:
     return _done["skip_teardown"]
 
 
-def _split(value: Optional[str]) -> Optional[str]:
-    if value is not None and value not in SPLIT_NAMES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SPLIT_NAMES)}")
-    return value
-
-
 def split_option(default: Optional[str], help: str = "Requests to use: calibration, evaluation or all."):
-    return typer.Option(default, "--split", help=help, callback=_split)
+    return typer.Option(default, "--split", help=help, callback=checked("split"))
+
+
+def tau_option(default: Optional[float] = None,
+               help: str = "Locality band width (default: the routing artifact's)."):
+    """--tau, checked against its declaration (eldr_cli.constraints)."""
+    return typer.Option(default, "--tau", help=f"{help} {declared('tau')}", callback=checked("tau"))
+
+
+def declared(name: str) -> str:
+    """The declared values of parameter ``name``, for an option's help: ``(a number in [0, 2])``
+    (rich markup would take a leading ``[`` for a tag)."""
+    from eldr_cli.constraints import PARAMETER_CONSTRAINTS
+
+    return f"({PARAMETER_CONSTRAINTS[name]})"
 
 
 def force_option():
@@ -58,31 +64,25 @@ def fraction(value):
     return value
 
 
-# The method's parameter names (eldr_cli.stages) and the flags that set them.
+# The method's parameter names (eldr_cli.constraints, eldr_cli.stages) and the flags that set them: an
+# InvalidParameterError is printed in the flags' words (eldr_cli.main)
 PARAM_FLAGS = {"n_pairs": "--pairs", "n_clusters": "--decoders", "transform": "--transform", "ep_size": "--ep-size",
                "n_redundant": "--redundant-experts", "batch_size": "--batch-size", "tau": "--tau",
-               "policy": "--policy", "split": "--split", "seed": "--seed"}
+               "policy": "--policy", "split": "--split", "seed": "--seed", "port": "--port", "workers": "--workers"}
 
 
-def translate_stage_error(e: Exception):
-    """An EldrError (flag names, hint) for a ValueError/TypeError raised by the method's own code
-    (``eldr_cli.stages``), or None for any other exception (a bug: it keeps its traceback)."""
-    from eldr_cli.errors import EldrError
-    from eldr_cli.stages.validation import InvalidParameterError
+def checked(name: str, *, optional: bool = True):
+    """Option callback checking the value against the declaration of parameter ``name``
+    (:mod:`eldr_cli.constraints`); click words the refusal as for any bad option value (exit 2)."""
+    from eldr_cli.constraints import PARAMETER_CONSTRAINTS
 
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    raised_in = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    if not raised_in.startswith("eldr_cli.stages"):
-        return None
-    msg, hint = str(e), None
-    if isinstance(e, InvalidParameterError):
-        flag = PARAM_FLAGS.get(e.param)
-        if flag is not None:
-            msg = flag + msg[len(e.param):] if msg.startswith(e.param + " ") else f"{flag}: {msg}"
-        hint = e.hint
-        for param, fl in PARAM_FLAGS.items():
-            if hint:
-                hint = hint.replace(param, fl)
-    return EldrError(msg, hint=hint)
+    constraint = PARAMETER_CONSTRAINTS[name]
+
+    def callback(value):
+        if value is None and optional:
+            return None
+        if not constraint.accepts(value):
+            raise typer.BadParameter(constraint.refusal(value))
+        return constraint.convert(value)
+
+    return callback

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from eldr_cli.commands._common import force_option, positive, replacing, split_option
+from eldr_cli.commands._common import force_option, positive, replacing, split_option, tau_option
 
 bench_app = typer.Typer(help="TTFT/TPOT benchmarks: real endpoints, emulated clusters, the simulator, "
                              "and the MoE-layer cost model.", no_args_is_help=True)
@@ -90,8 +90,7 @@ def sweep_cmd(
                                                                     "the emulated trace's split)."),
     out: Path = typer.Option(Path("artifacts/bench-sweep"), "--out"),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
-    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0,
-                                        help="ELDR band width (default: the routing artifact's)."),
+    tau: Optional[float] = tau_option(help="ELDR band width (default: the routing artifact's)."),
     admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN"),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
@@ -128,7 +127,7 @@ def simulate_cmd(
     split: str = split_option("evaluation", help="Trace split to send when --prompts is not given."),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
     prefill: int = typer.Option(8, "--prefill", min=1), decode: int = typer.Option(16, "--decode", min=1),
-    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0),
+    tau: Optional[float] = tau_option(),
     max_seqs: int = typer.Option(256, "--max-seqs", min=1),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
@@ -266,7 +265,7 @@ def replay_cmd(
                                  help="Routing policies; oracle = clusters on the served rows' own decode patterns."),
     batch_sizes: str = typer.Option("1,4,16,64", "--batch-sizes", help="Decode batch sizes per decoder."),
     split: str = split_option("evaluation", help="Rows to replay."),
-    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0),
+    tau: Optional[float] = tau_option(),
     seed: int = SEED,
     force: bool = FORCE,
 ) -> None:

@@ -6,14 +6,23 @@ from pathlib import Path
 
 import typer
 
-from eldr_cli.commands._common import force_option, replacing, skip_teardown, split_option
+from eldr_cli.commands._common import (
+    checked,
+    declared,
+    force_option,
+    replacing,
+    skip_teardown,
+    split_option,
+    tau_option,
+)
 
 TRACE = typer.Option(..., "--trace", help="Trace artifact (from `eldr capture`).")
 SPLIT = split_option("calibration", help="Requests to fit on: calibration, evaluation or all.")
 FORCE = force_option()
 DECODERS = typer.Option(..., "--decoders", "-k", help="K = number of decode workers.")
-PAIRS = typer.Option(20000, "--pairs", min=10, help="Fixed-seed request pairs for rho (Eq. 1).")
-TAU = typer.Option(0.1, "--tau", min=0.0, max=2.0, help="Default locality band width stored for the proxy.")
+PAIRS = typer.Option(20000, "--pairs", callback=checked("n_pairs"),
+                     help=f"Fixed-seed request pairs for rho (Eq. 1). {declared('n_pairs')}")
+TAU = tau_option(0.1, help="Default locality band width stored for the proxy.")
 
 
 def fit_idf_cmd(trace: Path = TRACE, out: Path = typer.Option(Path("artifacts/fit/idf"), "--out"),

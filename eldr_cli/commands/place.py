@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from eldr_cli.commands._common import force_option, replacing, split_option
+from eldr_cli.commands._common import checked, force_option, replacing, split_option, tau_option
 
 place_app = typer.Typer(
     help="Per-decoder expert placement for expert-parallel decoders (ELDR §5) + global EPLB and contiguous "
@@ -23,15 +23,16 @@ def place_cmd(
     ctx: typer.Context,
     trace: Optional[Path] = typer.Option(None, "--trace", help="Trace artifact the routing artifact was fitted on."),
     routing: Optional[Path] = typer.Option(None, "--routing", help="Routing artifact (or fit directory)."),
-    ep_size: Optional[int] = typer.Option(None, "--ep-size", "-R", min=1, help="EP ranks per decoder; must divide E."),
+    ep_size: Optional[int] = typer.Option(None, "--ep-size", "-R", callback=checked("ep_size"),
+                                           help="EP ranks per decoder; must divide E."),
     out: Path = typer.Option(Path("artifacts/placement"), "--out"),
     batch_size: Optional[int] = typer.Option(
-        None, "--batch-size", "-B", min=1,
+        None, "--batch-size", "-B", callback=checked("batch_size"),
         help="Balance the chance an expert is active in a step of B tokens, 1-(1-p)^B, instead of p."),
     redundant_experts: int = typer.Option(
-        0, "--redundant-experts", min=0,
+        0, "--redundant-experts", callback=checked("n_redundant"),
         help="Extra physical slots per layer for the global EPLB baseline (E + this must be a multiple of R)."),
-    decoders: Optional[int] = typer.Option(None, "--decoders", "-k", min=1,
+    decoders: Optional[int] = typer.Option(None, "--decoders", "-k", callback=checked("n_clusters"),
                                            help="Expected K; checked against the routing artifact."),
     figures: bool = typer.Option(True, "--figures/--no-figures"),
     force: bool = force_option(),
@@ -61,11 +62,10 @@ def evaluate_cmd(
     placement: Path = typer.Option(..., "--placement", help="Placement artifact (from `eldr place-experts`)."),
     out: Optional[Path] = typer.Option(None, "--out",
                                        help="Evaluation artifact (default: PLACEMENT/../placement-eval)."),
-    batch_size: int = typer.Option(8, "--batch-size", "-B", min=1,
+    batch_size: int = typer.Option(8, "--batch-size", "-B", callback=checked("batch_size"),
                                    help="Decode concurrency per decoder (K*B in flight)."),
     policy: str = typer.Option("eldr", "--policy", help="eldr|round-robin|random|jsq|p2c|domain"),
-    tau: Optional[float] = typer.Option(None, "--tau", min=0.0, max=2.0,
-                                        help="Locality band width (default: the routing artifact's)."),
+    tau: Optional[float] = tau_option(),
     split: str = split_option("evaluation", help="Requests to replay."),
     seed: int = typer.Option(0, "--seed"),
     figures: bool = typer.Option(True, "--figures/--no-figures"),

@@ -3,48 +3,32 @@ simulate, the proxy) ask here whether they fit together, and all say it the same
 
 - same trace: an artifact fitted on a trace records that trace's content hash;
 - K: the routing artifact's number of centroids against decoders/placements/worker pools;
-- tau: the locality band width, one range everywhere (:data:`TAU_RANGE`);
-- batch size: decode concurrency per decoder, a positive integer.
+- tau, batch size: checked against their one declaration in :mod:`eldr_cli.constraints`, worded
+  with the flag that set them.
 
-These raise :class:`~eldr_cli.errors.EldrError` (they compare user-supplied artifacts and flags);
-parameter checks of the estimators themselves live in ``eldr_cli.stages.validation``.
+These raise the :mod:`eldr_cli.errors` family (they compare user-supplied artifacts and flags).
 """
 
 from __future__ import annotations
 
-import numbers
+from typing import Any
 
+from eldr_cli.constraints import validate_n_clusters, validate_parameter
 from eldr_cli.errors import EldrError
 
-# Cosine similarities lie in [-1, 1], so a band wider than 2 changes nothing; with non-negative
-# (count) signatures any tau >= 1 already admits every worker (pure least-loaded).
-TAU_RANGE = (0.0, 2.0)
+
+def check_tau(tau: Any, *, flag: str = "--tau") -> float | None:
+    """None (use the routing artifact's) or a number in the declared range."""
+    return None if tau is None else validate_parameter("tau", tau, what=flag)
 
 
-def check_tau(tau, *, flag: str = "--tau") -> float | None:
-    """None (use the routing artifact's) or a number in TAU_RANGE."""
-    if tau is None:
-        return None
-    lo, hi = TAU_RANGE
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not lo <= float(tau) <= hi:
-        raise EldrError(f"{flag} must be a number in [{lo:g}, {hi:g}], got {tau!r}")
-    return float(tau)
+def check_batch_size(batch_size: Any, *, flag: str = "--batch-size") -> int | None:
+    return None if batch_size is None else validate_parameter("batch_size", batch_size, what=flag)
 
 
-def check_batch_size(batch_size, *, flag: str = "--batch-size") -> int | None:
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or int(batch_size) < 1:
-        raise EldrError(f"{flag} must be a positive integer, got {batch_size!r}")
-    return int(batch_size)
-
-
-def check_k_range(decoders, n: int, *, flag: str = "--decoders") -> int:
+def check_k_range(decoders: Any, n: int, *, flag: str = "--decoders") -> int:
     """K between 1 and the number of calibration signatures N."""
-    if isinstance(decoders, bool) or not isinstance(decoders, numbers.Integral) or not 1 <= int(decoders) <= n:
-        raise EldrError(f"the number of decoders K must be between 1 and the number of calibration "
-                        f"signatures N={n}, got {decoders}", hint=f"pass {flag} K with 1 <= K <= {n}")
-    return int(decoders)
+    return validate_n_clusters(decoders, n, hint=f"pass {flag} K with 1 <= K <= {n}")
 
 
 def check_k_matches(routing, decoders, *, what: str = "--decoders") -> int:

@@ -79,6 +79,42 @@ def _number(b, i):
     return v, j
 
 
+@_compiled(inline="always")
+def _id_lists(b, i, vals, nv, k):
+    """A list of id lists from its '[' at ``i``: ids appended to ``vals`` from ``nv``, every list ``k``
+    long (k < 0: set by the first list). -> (status, position after its ']', nv, lists, k)."""
+    nl = 0
+    i = _skip_ws(b, i + 1)
+    while True:
+        if _at(b, i) != 91:
+            return _FAIL, i, nv, nl, k
+        i = _skip_ws(b, i + 1)
+        cnt = 0
+        while True:  # ids
+            v, i = _number(b, i)
+            if v < 0:
+                return _FAIL, i, nv, nl, k
+            vals[nv] = v
+            nv += 1
+            cnt += 1
+            i, sep = _separator(b, i, 93)
+            if sep == _CLOSE:
+                break
+            if sep == _BAD:
+                return _FAIL, i, nv, nl, k
+        if k < 0:
+            k = cnt
+        elif cnt != k:
+            return _FAIL, i, nv, nl, k
+        nl += 1
+        i, sep = _separator(b, i + 1, 93)
+        if sep == _CLOSE:
+            break
+        if sep == _BAD:
+            return _FAIL, i, nv, nl, k
+    return _OK, i + 1, nv, nl, k
+
+
 @_compiled(nogil=True)  # releases the GIL: the import overlaps its other work with the scan
 def _scan(b, vals, m_elem, m_key, m_start, m_nl):
     """One pass over the bytes: every object member (element, key, first value index, number of
@@ -111,36 +147,9 @@ def _scan(b, vals, m_elem, m_key, m_start, m_nl):
                 i += 4
                 nl = -1
             elif c == 91:  # '[' a list of id lists
-                nl = 0
-                i = _skip_ws(b, i + 1)
-                while True:
-                    if _at(b, i) != 91:
-                        return _FAIL, 0, 0, 0, 0
-                    i = _skip_ws(b, i + 1)
-                    cnt = 0
-                    while True:  # ids
-                        v, i = _number(b, i)
-                        if v < 0:
-                            return _FAIL, 0, 0, 0, 0
-                        vals[nv] = v
-                        nv += 1
-                        cnt += 1
-                        i, sep = _separator(b, i, 93)
-                        if sep == _CLOSE:
-                            break
-                        if sep == _BAD:
-                            return _FAIL, 0, 0, 0, 0
-                    if k < 0:
-                        k = cnt
-                    elif cnt != k:
-                        return _FAIL, 0, 0, 0, 0
-                    nl += 1
-                    i, sep = _separator(b, i + 1, 93)
-                    if sep == _CLOSE:
-                        break
-                    if sep == _BAD:
-                        return _FAIL, 0, 0, 0, 0
-                i += 1
+                status, i, nv, nl, k = _id_lists(b, i, vals, nv, k)
+                if status != _OK:
+                    return _FAIL, 0, 0, 0, 0
             else:
                 return _FAIL, 0, 0, 0, 0
             m_elem[nm] = n_elem

@@ -103,16 +103,9 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     routing = load_routing_artifact(routing_path)
     check_routing_matches_trace(routing, trace)
     K = checks.check_k_matches(routing, decoders)
-    labels = routing.array("labels")
-    if labels.shape != (trace.n_requests,):
-        raise EldrError(f"routing labels cover {labels.shape[0]} requests, the trace has {trace.n_requests}")
-    if labels.max(initial=-1) >= K:
-        raise EldrError(f"K mismatch: routing labels name decoder {int(labels.max())} but K={K}")
-    rows = np.flatnonzero(trace.split_mask(split) & (labels >= 0))
-    if rows.size == 0:
-        raise EldrError(f"no {split} requests of {trace.path} carry a cluster label in {routing.path}")
+    rows, lab = _labelled_rows(trace, routing, K, split)
     L, E = trace.num_layers, trace.num_experts
-    dc, steps, lab = trace.decode_counts[rows], trace.decode_steps[rows], labels[rows]
+    dc, steps = trace.decode_counts[rows], trace.decode_steps[rows]
 
     t0 = time.perf_counter()
     per = PerDecoderPlacement(ep_size=ep_size, batch_size=batch_size).fit(dc, steps, lab, K)
@@ -145,20 +138,8 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
         w.write_array("global_eplb_replicas", eplb.replicas_)
         w.write_array("global_eplb_load", eplb.load_)
         w.write_array("contiguous_physical_to_logical", contiguous)
-        exp = w.path / "export"
-        exp.mkdir()
-        import json
-
-        def dump(name, obj):
-            (exp / name).write_text(json.dumps(obj, separators=(",", ":")) + "\n")
-
-        for k in range(K):
-            dump(f"decoder-{k:02d}.json", layout_export(per.physical_to_logical_[k], ep_size=ep_size, num_experts=E,
-                                                        layout="per-decoder", decoder=k, moe_layer_ids=moe_ids))
-        dump("global-eplb.json", layout_export(eplb.physical_to_logical_, ep_size=ep_size, num_experts=E,
-                                               layout="global-eplb", decoder=None, moe_layer_ids=moe_ids))
-        dump("contiguous.json", layout_export(contiguous, ep_size=ep_size, num_experts=E, layout="contiguous",
-                                              decoder=None, moe_layer_ids=moe_ids))
+        _write_exports(w.path / "export", per.physical_to_logical_, eplb.physical_to_logical_, contiguous,
+                       ep_size=ep_size, num_experts=E, moe_layer_ids=moe_ids)
         w.metrics.update({"place_s": round(place_s, 4), "eplb_s": round(eplb_s, 4),
                           "n_calibration_requests": int(rows.size),
                           "cluster_sizes": np.bincount(lab, minlength=K).tolist(),
@@ -169,6 +150,37 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
             _plot_rank_loads(w.figure_path("placement_rank_load.png"), per, contiguous,
                              eplb.physical_to_logical_ if redundant_experts == 0 else None, ep_size)
     return Path(out)
+
+
+def _labelled_rows(trace: Trace, routing: Artifact, K: int, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``split`` that carry a cluster label in the routing artifact, and their labels."""
+    labels = routing.array("labels")
+    if labels.shape != (trace.n_requests,):
+        raise EldrError(f"routing labels cover {labels.shape[0]} requests, the trace has {trace.n_requests}")
+    if labels.max(initial=-1) >= K:
+        raise EldrError(f"K mismatch: routing labels name decoder {int(labels.max())} but K={K}")
+    rows = np.flatnonzero(trace.split_mask(split) & (labels >= 0))
+    if rows.size == 0:
+        raise EldrError(f"no {split} requests of {trace.path} carry a cluster label in {routing.path}")
+    return rows, labels[rows]
+
+
+def _write_exports(exp: Path, per_decoder: np.ndarray, global_eplb: np.ndarray, contiguous: np.ndarray, *,
+                   ep_size: int, num_experts: int, moe_layer_ids: list) -> None:
+    """One vLLM EPLB map per decoder, plus the global EPLB and contiguous layouts, into ``exp``."""
+    import json
+
+    exp.mkdir()
+
+    def dump(name, layout, p2l, decoder):
+        obj = layout_export(p2l, ep_size=ep_size, num_experts=num_experts, layout=layout, decoder=decoder,
+                            moe_layer_ids=moe_layer_ids)
+        (exp / name).write_text(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    for k in range(len(per_decoder)):
+        dump(f"decoder-{k:02d}.json", "per-decoder", per_decoder[k], k)
+    dump("global-eplb.json", "global-eplb", global_eplb, None)
+    dump("contiguous.json", "contiguous", contiguous, None)
 
 
 def _plot_rank_loads(path, per, contiguous, eplb_p2l, R) -> None:

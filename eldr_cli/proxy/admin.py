@@ -9,13 +9,26 @@ from typing import Any
 
 import orjson
 
-from eldr_cli.errors import EldrError
+from eldr_cli.constraints import validate_parameter
+from eldr_cli.errors import EldrError, InvalidParameterError
 from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.config import check_worker_url
 from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
 from eldr_cli.routing import RoutingModel
 
 log = logging.getLogger("eldr.proxy")
+
+
+def validate_policy_change(body: dict[str, Any], *, policy: str, tau: float | None) -> tuple[str, float | None]:
+    """The (policy name, tau override) a ``POST /admin/policy`` body asks for; keys it leaves out keep the
+    current ``policy`` and ``tau``. tau is checked against its declaration (eldr_cli.constraints), as the
+    CLI and the config file check it; InvalidParameterError otherwise. The policy name is checked when
+    the policy is built. A plain function: local and remote changes can go through the same check."""
+    name = body.get("policy", policy)
+    if not isinstance(name, str):
+        raise InvalidParameterError("policy", f"policy must be a name, got {name!r}")
+    new_tau = body.get("tau", tau)
+    return name, None if new_tau is None else validate_parameter("tau", new_tau)
 
 
 class AdminMixin(AppParts):
@@ -110,10 +123,10 @@ class AdminMixin(AppParts):
 
     def _admin_policy(self, body: dict[str, Any]) -> dict[str, Any]:
         st = self.state
-        name = body.get("policy", st.policy_name)
-        tau = body.get("tau", st.tau_override)
-        if tau is not None and (not isinstance(tau, (int, float)) or isinstance(tau, bool) or not 0 <= tau <= 2):
-            raise Refused(f"tau must be a number in [0, 2], got {tau!r}")
+        try:
+            name, tau = validate_policy_change(body, policy=st.policy_name, tau=st.tau_override)
+        except InvalidParameterError as e:
+            raise Refused(str(e)) from None
         try:
             router = st.make(name, len(st.decode), st.model, tau)
         except EldrError as e:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.policies import POLICIES
 
@@ -70,15 +71,13 @@ class ProxyConfig:
         for flag, urls in (("--prefill", self.prefill), ("--decode", self.decode)):
             for u in urls:
                 check_worker_url(u, flag)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
-            raise EldrError(f"--port must be between 1 and 65535, got {self.port!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
-            raise EldrError(f"--workers must be between 1 and 64, got {self.workers!r}")
+        validate_parameter("port", self.port, what="--port")
+        validate_parameter("workers", self.workers, what="--workers")
         self._validate_state()
         if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
             raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
-        if self.tau is not None and not (0.0 <= self.tau <= 2.0):
-            raise EldrError(f"tau must be in [0, 2], got {self.tau}")
+        if self.tau is not None:
+            self.tau = validate_parameter("tau", self.tau, what="--tau")
         if self.max_body_bytes < 1024:
             raise EldrError("max_body_bytes must be at least 1024")
         if self.health_fail_threshold < 1 or self.health_success_threshold < 1:

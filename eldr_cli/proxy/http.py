@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from eldr_cli.errors import EldrError
 from eldr_cli.proxy.workers import Worker
 
 # ASGI, as the proxy uses it (uvicorn passes plain dicts)
@@ -67,7 +68,9 @@ class ConnectFailed(Exception):
     pass
 
 
-class Refused(Exception):
+class Refused(EldrError):
+    """An admin request refused: the message goes back to the caller with HTTP ``status``."""
+
     def __init__(self, msg: str, status: int = 400):
         super().__init__(msg)
         self.status = status

@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from eldr_cli.stages.validation import InvalidParameterError
+from eldr_cli.constraints import validate_n_clusters
+from eldr_cli.errors import InvalidDataError
 
 COST_SCALE = 10**9  # cosine distances in [0, 2] -> int64; optimal to 1e-9 per point
 
@@ -50,7 +51,7 @@ def balanced_assignment(cost: np.ndarray, capacity: int, *, m: int | None = None
     cost = np.asarray(cost, dtype=np.float64)
     N, K = cost.shape
     if capacity * K < N:
-        raise ValueError(f"capacity {capacity} x {K} bins cannot hold {N} points")
+        raise InvalidDataError(f"capacity {capacity} x {K} bins cannot hold {N} points")
     m = min(K, m or min(K, max(4, 2 * math.ceil(K ** 0.5))))
     icost = np.rint(cost * COST_SCALE).astype(np.int64)
     while True:
@@ -129,14 +130,12 @@ class BalancedKMeans:
     def fit(self, X: np.ndarray, init: np.ndarray | None = None) -> "BalancedKMeans":
         X = np.asarray(X)
         if X.ndim != 2 or X.shape[0] == 0:
-            raise ValueError(f"clustering needs signatures [N, d] with N >= 1, got shape {X.shape}")
+            raise InvalidDataError(f"clustering needs signatures [N, d] with N >= 1, got shape {X.shape}")
         if not np.isfinite(X).all():
-            raise ValueError("signatures contain NaN or infinite values")
+            raise InvalidDataError("signatures contain NaN or infinite values")
         N, d = X.shape
         K = self.n_clusters
-        if not isinstance(K, (int, np.integer)) or K < 1 or K > N:
-            raise InvalidParameterError("n_clusters", f"n_clusters (the number of decoders K) must be between 1 and "
-                                        f"the number of signatures ({N}), got {K}")
+        validate_n_clusters(K.item() if isinstance(K, np.integer) else K, N)
         if X.dtype != np.float32:
             X = X.astype(np.float64, copy=False)
         rng = np.random.default_rng(self.seed)
@@ -175,7 +174,3 @@ class BalancedKMeans:
         out[ok] = sums[ok] / norms[ok, None]
         # an empty cluster (vanilla only) keeps its centroid
         return out
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        """Nearest centroid by cosine (unconstrained)."""
-        return (np.asarray(X) @ self.centroids_.T).argmax(axis=1).astype(np.int32)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eldr_cli.errors import InvalidDataError
+
 
 class ExpertIDF:
     """w(l, e) = log((|C| + 1) / (df(l, e) + 1)), df = requests in which e fires at least once at l.
@@ -15,7 +17,7 @@ class ExpertIDF:
     def fit(self, prefill_counts: np.ndarray) -> "ExpertIDF":
         c = np.asarray(prefill_counts)
         if c.ndim != 3 or c.shape[0] == 0:
-            raise ValueError(f"IDF needs prefill counts [R, L, E] with R >= 1, got shape {c.shape}")
+            raise InvalidDataError(f"IDF needs prefill counts [R, L, E] with R >= 1, got shape {c.shape}")
         self.n_requests_ = int(c.shape[0])
         self.df_ = (c > 0).sum(axis=0).astype(np.int64)
         self.idf_ = np.log((self.n_requests_ + 1.0) / (self.df_ + 1.0))

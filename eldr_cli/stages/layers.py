@@ -6,6 +6,8 @@ from functools import partial
 
 import numpy as np
 
+from eldr_cli.constraints import validate_parameter
+from eldr_cli.errors import InvalidDataError
 from eldr_cli.stages.signature import (
     SERVABLE_TRANSFORMS,
     TRANSFORMS,
@@ -18,7 +20,6 @@ from eldr_cli.stages.signature import (
     sample_pairs,
     spearman_to_target,
 )
-from eldr_cli.stages.validation import check_choice, check_int
 
 
 class LayerSelector:
@@ -42,13 +43,13 @@ class LayerSelector:
         self.seed = seed
 
     def fit(self, prefill_counts, decode_counts, decode_steps, idf, gates: dict | None = None) -> "LayerSelector":
-        check_choice(self.transform, "transform", ("auto", *TRANSFORMS))
-        check_int(self.n_pairs, "n_pairs", min=10)
+        validate_parameter("transform", self.transform)
+        validate_parameter("n_pairs", self.n_pairs)
         gates = {k: v for k, v in (gates or {}).items() if v is not None}
         pc = np.asarray(prefill_counts)
         keep = (np.asarray(decode_steps) > 0) & (pc.reshape(pc.shape[0], -1).sum(axis=1) > 0)
         if keep.sum() < 2:
-            raise ValueError("layer selection needs at least 2 requests with both prefill and decode tokens")
+            raise InvalidDataError("layer selection needs at least 2 requests with both prefill and decode tokens")
         idx = slice(None) if keep.all() else np.flatnonzero(keep)
         R, L, E = pc.shape
         self.n_requests_ = int(keep.sum())
@@ -63,8 +64,8 @@ class LayerSelector:
         candidates = [n for n in TRANSFORMS if not n.startswith("gate") or n in gates]
         if self.transform != "auto":
             if self.transform.startswith("gate") and self.transform not in gates:
-                raise ValueError(f"transform {self.transform} needs {self.transform.replace('-', '_')} sums in the "
-                                "trace, which this trace lacks")
+                raise InvalidDataError(f"transform {self.transform} needs {self.transform.replace('-', '_')} sums in "
+                                       "the trace, which this trace lacks")
             candidates = [self.transform]
         self.rho_by_transform_ = {}
         srcs = {name: np.asarray(gates[name] if name.startswith("gate") else pc)[idx] for name in candidates}

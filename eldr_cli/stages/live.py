@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.stages.validation import InvalidParameterError
+from eldr_cli.errors import InvalidParameterError
 
 MAX_ACTIVATION = 0.999  # keeps log(1 - a) finite: no expert is certain to fire at every step
 

@@ -36,14 +36,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.stages.validation import InvalidParameterError, check_int
+from eldr_cli.constraints import validate_parameter
+from eldr_cli.errors import InvalidDataError, InvalidParameterError
 
 # -- layouts -----------------------------------------------------------------------------------
 
 def check_ep_size(num_experts: int, ep_size: int, n_redundant: int = 0) -> int:
     """Slots per rank; InvalidParameterError unless R divides E + n_redundant (equal experts per rank)."""
-    check_int(ep_size, "ep_size", min=1)
-    check_int(n_redundant, "n_redundant", min=0)
+    validate_parameter("ep_size", ep_size)
+    validate_parameter("n_redundant", n_redundant)
     P = num_experts + n_redundant
     if P % ep_size:
         what = f"E={num_experts}" + (f" + {n_redundant} redundant" if n_redundant else "")
@@ -68,7 +69,7 @@ def balanced_packing(weight: np.ndarray, n_packs: int) -> tuple[np.ndarray, np.n
     N, n = w.shape
     cap = n // n_packs
     if n % n_packs:
-        raise ValueError(f"{n} items do not split evenly into {n_packs} packs")
+        raise InvalidDataError(f"{n} items do not split evenly into {n_packs} packs")
     order = np.argsort(-w, axis=1, kind="stable")
     rows = np.arange(N)
     load = np.zeros((N, n_packs))
@@ -133,7 +134,7 @@ def ranks_of(physical_to_logical: np.ndarray, ep_size: int, num_experts: int | N
     P = p2l.shape[-1]
     E = P if num_experts is None else num_experts
     if P != E:
-        raise ValueError("ranks_of needs a layout without replicas (P == E)")
+        raise InvalidDataError("ranks_of needs a layout without replicas (P == E)")
     cap = P // ep_size
     rank = np.empty(p2l.shape, dtype=np.int32)
     slot_rank = (np.arange(P) // cap).astype(np.int32)
@@ -159,12 +160,13 @@ def check_layout(physical_to_logical: np.ndarray, num_experts: int, ep_size: int
     p2l = np.asarray(physical_to_logical)
     P = p2l.shape[-1]
     if P % ep_size or P < num_experts:
-        raise ValueError(f"layout has {P} physical slots, not a multiple of R={ep_size} or fewer than E={num_experts}")
+        raise InvalidDataError(f"layout has {P} physical slots, not a multiple of R={ep_size} or fewer than "
+                               f"E={num_experts}")
     if p2l.min() < 0 or p2l.max() >= num_experts:
-        raise ValueError(f"layout names experts outside [0, {num_experts})")
+        raise InvalidDataError(f"layout names experts outside [0, {num_experts})")
     counts = np.apply_along_axis(np.bincount, -1, p2l.reshape(-1, P), minlength=num_experts)
     if (counts == 0).any():
-        raise ValueError("layout leaves some experts without a slot")
+        raise InvalidDataError("layout leaves some experts without a slot")
 
 
 # -- activation estimates ------------------------------------------------------------------------
@@ -209,12 +211,12 @@ class PerDecoderPlacement:
         steps = np.asarray(decode_steps, dtype=np.float64)
         labels = np.asarray(labels)
         if dc.ndim != 3 or steps.shape != dc.shape[:1] or labels.shape != dc.shape[:1]:
-            raise ValueError(f"decode_counts {dc.shape}, decode_steps {steps.shape} and labels {labels.shape} "
+            raise InvalidDataError(f"decode_counts {dc.shape}, decode_steps {steps.shape} and labels {labels.shape} "
                             "disagree on the number of requests")
         if self.batch_size is not None:
-            check_int(self.batch_size, "batch_size", min=1)
+            validate_parameter("batch_size", self.batch_size)
         if labels.size and labels.max() >= n_decoders:
-            raise ValueError(f"labels name decoder {int(labels.max())} but K={n_decoders}")
+            raise InvalidDataError(f"labels name decoder {int(labels.max())} but K={n_decoders}")
         _, L, E = dc.shape
         check_ep_size(E, self.ep_size)
         K = int(n_decoders)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.stages.validation import InvalidParameterError
+from eldr_cli.constraints import TRANSFORMS, StrOptions
+from eldr_cli.errors import InvalidDataError, InvalidParameterError
 
-# §4.2.3 / Fig. 7: the six candidate transforms. Only the count-derived ones can be computed from
+# §4.2.3 / Fig. 7: of the six candidate transforms only the count-derived ones can be computed from
 # what the prefill worker hands off (integer counts), so only they are servable by the proxy.
-TRANSFORMS = ("count", "count-idf", "sqrt", "binary", "gate-prob", "gate-logit")
 SERVABLE_TRANSFORMS = ("count", "count-idf", "sqrt", "binary")
 
 
@@ -25,14 +25,13 @@ def apply_transform(counts: np.ndarray, transform: str, idf: np.ndarray | None =
         return c
     if transform == "count-idf":
         if idf is None:
-            raise ValueError("transform count-idf needs an IDF table (run `eldr fit-idf` first)")
+            raise InvalidDataError("transform count-idf needs an IDF table (run `eldr fit-idf` first)")
         return c * idf
     if transform == "sqrt":
         return np.sqrt(c)
     if transform == "binary":
         return (c > 0).astype(np.float64)
-    raise InvalidParameterError("transform",
-                                f"unknown transform {transform!r}; expected one of {', '.join(TRANSFORMS)}")
+    raise InvalidParameterError("transform", StrOptions(TRANSFORMS).refusal(transform, "transform"))
 
 
 def l2_normalize(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -57,7 +56,7 @@ def decode_pattern(decode_counts: np.ndarray, decode_steps: np.ndarray) -> np.nd
 def sample_pairs(n: int, n_pairs: int, seed: int = 0) -> np.ndarray:
     """A fixed-seed sample of ``n_pairs`` ordered pairs (i, j), i != j, as int64 [P, 2]."""
     if n < 2:
-        raise ValueError(f"signature quality needs at least 2 requests, got {n}")
+        raise InvalidDataError(f"signature quality needs at least 2 requests, got {n}")
     rng = np.random.default_rng(seed)
     i = rng.integers(0, n, size=n_pairs)
     j = rng.integers(0, n - 1, size=n_pairs)

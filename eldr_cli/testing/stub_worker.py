@@ -118,8 +118,8 @@ class StubWorker:
         self.stats["prefill"] += 1
         self.prefill_bodies.append(body)
         text = prompt_text(body)
-        fault = _FAULT.search(text)
-        fault = fault.group(1) if fault else None
+        found = _FAULT.search(text)
+        fault = found.group(1) if found else None
         if self.fail == "500" or fault == "prefill_500":
             self.stats["prefill_500"] += 1
             return await _reply(send, 500, b'{"error": {"message": "injected prefill failure"}}')
@@ -150,8 +150,8 @@ class StubWorker:
         self.stats["decode"] += 1
         self.decode_bodies.append(body)
         text = prompt_text(body)
-        fault = _FAULT.search(text)
-        fault = fault.group(1) if fault else None
+        found = _FAULT.search(text)
+        fault = found.group(1) if found else None
         if self.fail == "500" or fault == "decode_500":
             self.stats["decode_500"] += 1
             return await _reply(send, 500, b'{"error": {"message": "injected decode failure"}}')

@@ -164,13 +164,13 @@ class EldrSignatureConnector(KVConnectorBase_V1):
                 self._eldr_prompt_len[rid] = n
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            n = self._eldr_prompt_len.get(rid)
-            if n is None:
+            prompt_len = self._eldr_prompt_len.get(rid)
+            if prompt_len is None:
                 continue
-            if cached.num_computed_tokens[i] + n_sched.get(rid, 0) >= n:
+            if cached.num_computed_tokens[i] + n_sched.get(rid, 0) >= prompt_len:
                 blocks = self._request_blocks(rid)
                 if blocks is not None:
-                    complete.append((rid, blocks[: math.ceil(n / bs)], n))
+                    complete.append((rid, blocks[: math.ceil(prompt_len / bs)], prompt_len))
                 del self._eldr_prompt_len[rid]
         invalid = self._eldr_invalid
         self._eldr_invalid = []

@@ -105,8 +105,9 @@ def _patch_scheduler() -> None:
     def update_from_output(self, scheduler_output, model_runner_output):
         kco = getattr(model_runner_output, "kv_connector_output", None)
         conn = getattr(self, "connector", None)
-        if kco is not None and hasattr(conn, "ingest"):
-            conn.ingest(kco)
+        ingest = getattr(conn, "ingest", None)
+        if kco is not None and ingest is not None:
+            ingest(kco)
         return orig(self, scheduler_output, model_runner_output)
 
     update_from_output._eldr = True  # type: ignore[attr-defined]

@@ -1,0 +1,1 @@
+"""Developer scripts (not part of the installed package): `python -m tools.<name>`."""
