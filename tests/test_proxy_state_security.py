@@ -197,7 +197,8 @@ def test_vectors_of_two_replicas_sum_to_what_one_proxy_holds(stubs, redis_url):
         w0, w1 = c.state.decode.find(d0), c.state.decode.find(d1)
         assert _until(lambda: w0.remote_vectors.get("live") == one_proxy["d0"]
                       and w1.remote_vectors.get("live") == one_proxy["d1"], 3), (w0.remote_vectors, w1.remote_vectors)
-        assert a.state.decode.find(d0).remote_vectors["live"] == vb["d0"]  # the others' sum, not its own
+        wa = a.state.decode.find(d0)  # the others' sum, not its own (b's message reaches a in its own time)
+        assert _until(lambda: wa.remote_vectors.get("live") == vb["d0"], 3), wa.remote_vectors
         sb.stop()  # a replica that leaves takes its vectors with it
         assert _until(lambda: w0.remote_vectors.get("live") == va["d0"], 3)
     finally:
