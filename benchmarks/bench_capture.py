@@ -62,7 +62,7 @@ def child_overhead(a) -> dict:
     import torch
 
     from eldr_cli.capture.hf import TransformersBackend
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
 
     torch.set_num_threads(a.threads)
     d = Path(a.tmp) / "mid-moe"
@@ -87,7 +87,7 @@ def child_overhead(a) -> dict:
 
 
 def child_capture(a) -> dict:
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
     from eldr_cli.pipeline.capture import run_capture
 
     d = Path(a.tmp) / "tiny-moe"

@@ -133,7 +133,7 @@ def phase_table(f):
 
 
 def _child_large(n, d, k, max_iter, seed, out):
-    from eldr_cli.stages.cluster import BalancedKMeans
+    from eldr_cli.method.cluster import BalancedKMeans
 
     X = _clustered(n, d, k, seed, dtype=np.float32)
     rss_data = _vm_hwm_mib()
@@ -168,7 +168,7 @@ def bench_peer(n, k, d, iters, seed=0):
     """Ours vs k-means-constrained (size_max = ceil(N/K)) on the same data and iteration count."""
     from k_means_constrained import KMeansConstrained
 
-    from eldr_cli.stages.cluster import BalancedKMeans
+    from eldr_cli.method.cluster import BalancedKMeans
 
     X = _clustered(n, d, k, seed)
     cap = math.ceil(n / k)

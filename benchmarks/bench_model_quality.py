@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_cli.checkpoints.train import DEFAULT_STEPS, split_of
 from eldr_cli.data import prompts_file
-from eldr_cli.models.train import DEFAULT_STEPS, split_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BAR = {"corr": 0.7, "rho": 0.5, "active_pct": -8.0}
@@ -104,8 +104,8 @@ def main() -> int:
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    from eldr_cli.models.tiny import build_tiny_moe
-    from eldr_cli.models.train import train_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.train import train_tiny_moe
 
     t, c = time.perf_counter(), time.process_time()
     trained = Path(a.model) if a.model else train_tiny_moe(work / f"trained-{a.steps}", steps=a.steps)

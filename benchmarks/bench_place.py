@@ -42,7 +42,7 @@ def _timeit(fn, repeats):
 
 
 def bench_speed(repeats: int) -> dict:
-    from eldr_cli.stages.placement import GlobalEPLB, PerDecoderPlacement, greedy_placement
+    from eldr_cli.method.placement import GlobalEPLB, PerDecoderPlacement, greedy_placement
 
     K, L, E, R, N = 16, 48, 128, 4, 2000
     rng = np.random.default_rng(0)
@@ -149,7 +149,7 @@ def bench_tiny(work: Path, trace: Path | None = None) -> dict:
     help_txt = subprocess.run([str(ROOT / ".venv/bin/eldr"), "--help"], capture_output=True, text=True).stdout
     if "capture" not in help_txt.replace("│", " ").split():
         return {"skipped": "`eldr capture` is not available in this checkout"}
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
 
     model = build_tiny_moe(work / "tiny-model", "qwen3_moe")
     prompts = prompts_file("task")

@@ -109,7 +109,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
     model = args.model
     if model is None:
-        from eldr_cli.models.tiny import build_tiny_moe
+        from eldr_cli.checkpoints.tiny import build_tiny_moe
 
         model = str(build_tiny_moe(tmp / "tiny", "qwen3_moe"))
     servers = {}

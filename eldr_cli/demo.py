@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from eldr_cli.checkpoints.train import DEFAULT_STEPS
 from eldr_cli.data import prompts_file
-from eldr_cli.models.train import DEFAULT_STEPS
 from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]

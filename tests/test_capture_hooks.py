@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eldr_cli.capture.hf import TransformersBackend
-from eldr_cli.models.tiny import build_tiny_moe
+from eldr_cli.checkpoints.tiny import build_tiny_moe
 
 TEXTS = ["def add(a, b):\n    return a + b", "Janet has 16 eggs and eats three. How many are left?",
          "Does aspirin reduce the risk of stroke?", "A contract needs offer and acceptance."]

@@ -171,7 +171,7 @@ def test_bad_input_exit_2_and_nothing_written(case, tiny_moe_dir, prompts, tmp_p
 
 
 def test_resume_refuses_another_models_artifact(captured, tmp_path, prompts, capsys):
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
 
     ref_out, _ = captured
     other = build_tiny_moe(tmp_path / "other", num_layers=2, num_experts=8, top_k=2, vocab_size=300,

@@ -14,9 +14,9 @@ import pytest
 
 from eldr_cli.artifacts.store import Artifact
 from eldr_cli.artifacts.trace import write_trace
+from eldr_cli.method.idf import ExpertIDF
+from eldr_cli.method.layers import LayerSelector
 from eldr_cli.pipeline.fit import run_fit
-from eldr_cli.stages.idf import ExpertIDF
-from eldr_cli.stages.layers import LayerSelector
 from eldr_cli.synth import synthetic_trace
 
 # rho is ranked from float32 pair distances (one SGEMM), whose rounding depends on the OpenBLAS kernel's
@@ -79,7 +79,7 @@ def test_fit_command_outputs_match_reference(tmp_path):
 def test_numpy_rank_equals_scipy_rankdata():
     from scipy.stats import rankdata
 
-    from eldr_cli.stages.signature import _rank
+    from eldr_cli.method.signature import _rank
 
     rng = np.random.default_rng(0)
     for x in (rng.random(5000), rng.integers(0, 40, 5000).astype(float), np.round(rng.random((3, 700)), 2),

@@ -7,12 +7,10 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 from scipy.stats import spearmanr
 
-from eldr_cli.routing import RoutingModel, make_router
-from eldr_cli.routing.policies import locality_band, split_workers_by_share
-from eldr_cli.stages.cluster import BalancedKMeans, assignment_cost, balanced_assignment
-from eldr_cli.stages.idf import ExpertIDF
-from eldr_cli.stages.layers import LayerSelector
-from eldr_cli.stages.signature import (
+from eldr_cli.method.cluster import BalancedKMeans, assignment_cost, balanced_assignment
+from eldr_cli.method.idf import ExpertIDF
+from eldr_cli.method.layers import LayerSelector
+from eldr_cli.method.signature import (
     _rank,
     decode_pattern,
     pair_cosine_distance,
@@ -21,6 +19,8 @@ from eldr_cli.stages.signature import (
     signatures,
     spearman_to_target,
 )
+from eldr_cli.routing import RoutingModel, make_router
+from eldr_cli.routing.policies import locality_band, split_workers_by_share
 from eldr_cli.synth import synthetic_trace
 
 
@@ -245,7 +245,7 @@ def test_gram_distances_do_not_depend_on_blas_threads():
     thread count, or rho would depend on the machine."""
     from threadpoolctl import threadpool_limits
 
-    from eldr_cli.stages.signature import _pair_cosine_distance_f32, sample_pairs
+    from eldr_cli.method.signature import _pair_cosine_distance_f32, sample_pairs
 
     x = np.random.default_rng(0).poisson(3.0, size=(700, 12 * 64)).astype(np.float32)
     pairs = sample_pairs(len(x), 5000, seed=0)

@@ -5,8 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from eldr_cli.pipeline.place import layout_export
-from eldr_cli.stages.placement import (
+from eldr_cli.method.placement import (
     GlobalEPLB,
     PerDecoderPlacement,
     active_experts,
@@ -21,6 +20,7 @@ from eldr_cli.stages.placement import (
     ranks_of,
     replicate_experts,
 )
+from eldr_cli.pipeline.place import layout_export
 
 
 def _rank_loads(w, rank, R):

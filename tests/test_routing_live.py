@@ -12,9 +12,9 @@ import pytest
 from _proxy_util import Cluster, build_routing
 
 from eldr_cli.errors import EldrError
+from eldr_cli.method.live import DecodeActivation
 from eldr_cli.routing import RoutingModel, make_router
 from eldr_cli.routing.live import EldrLivePolicy
-from eldr_cli.stages.live import DecodeActivation
 from eldr_cli.synth import synthetic_trace
 from eldr_cli.testing.stub_worker import fake_counts
 
@@ -125,24 +125,25 @@ def test_artifact_without_the_live_model_is_refused_by_name():
 
 
 def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
-    import eldr_cli.pipeline.simulate as sim
+    import eldr_cli.simulator.cluster as simc
     from eldr_cli.artifacts.trace import write_trace
     from eldr_cli.costmodel import CostModel, write_cost_model
     from eldr_cli.pipeline.fit import run_fit
+    from eldr_cli.pipeline.simulate import run_simulate
 
     t = synthetic_trace(160, L, E, 2, decode_steps=8, with_picks=True, seed=1)
     write_trace(tmp_path / "trace", t)
     run_fit(tmp_path / "trace", tmp_path / "fit", decoders=3, figures=False, pairs=2000)
     write_cost_model(tmp_path / "cost", CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05, source="given"))
     built = []
-    real = sim.make_router
+    real = simc.make_router
 
     def keep(*a, **kw):
         built.append(real(*a, **kw))
         return built[-1]
 
-    monkeypatch.setattr(sim, "make_router", keep)
-    sim.run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
+    monkeypatch.setattr(simc, "make_router", keep)
+    run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
                      routing=tmp_path / "fit", split="all", routers=["eldr-live"], rates=[40.0], n_prefill=1,
                      n_decode=3, duration_s=4, warmup_s=1, max_tokens=8, workers=1)
     (router,) = built

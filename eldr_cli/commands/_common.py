@@ -64,7 +64,7 @@ def fraction(value):
     return value
 
 
-# The method's parameter names (eldr_cli.constraints, eldr_cli.stages) and the flags that set them: an
+# The method's parameter names (eldr_cli.constraints, eldr_cli.method) and the flags that set them: an
 # InvalidParameterError is printed in the flags' words (eldr_cli.main)
 PARAM_FLAGS = {"n_pairs": "--pairs", "n_clusters": "--decoders", "transform": "--transform", "ep_size": "--ep-size",
                "n_redundant": "--redundant-experts", "batch_size": "--batch-size", "tau": "--tau",

@@ -34,7 +34,7 @@ def tiny_cmd(
     if train:
         import json
 
-        from eldr_cli.models.train import train_tiny_moe
+        from eldr_cli.checkpoints.train import train_tiny_moe
 
         files = [prompts] if prompts is not None else None
         path = train_tiny_moe(out, steps=steps, seed=seed, num_layers=layers, num_experts=experts,
@@ -46,7 +46,7 @@ def tiny_cmd(
                       f"{log['tokens_seen']} tokens in {log['wall_s']:.0f}s "
                       f"(load avg {log['load_avg_1m']}); split.json, train_log.json, loss.png")
         return
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
 
     texts = None
     if prompts is not None:

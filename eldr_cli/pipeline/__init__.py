@@ -7,6 +7,6 @@
 - :mod:`~eldr_cli.pipeline.import_trace`: public Orders-in-Chaos traces -> trace;
 - :mod:`~eldr_cli.pipeline.simulate`: trace + cost model + routing -> simulated bench result.
 
-Each reads its input artifacts, calls the method (:mod:`eldr_cli.stages`) and writes one artifact
+Each reads its input artifacts, calls the method (:mod:`eldr_cli.method`) and writes one artifact
 atomically; the commands in :mod:`eldr_cli.commands` are thin wrappers around these functions.
 """

@@ -1,7 +1,7 @@
 """The simulator runs behind `eldr report`'s verdict: per seed, a capacity search per router, then every
 router at 25/50/75/100% of the best load balancer's mean capacity. Every number here is SIMULATED.
 
-Runs call :func:`eldr_cli.pipeline.simulate.simulate_run` as a library, one (router, rate, seed) at a time,
+Runs call :func:`eldr_cli.simulator.cluster.simulate_run` as a library, one (router, rate, seed) at a time,
 on the arrivals of :class:`eldr_cli.bench.workload.ScaledArrivals` (one per seed, shared by every router
 and rate). A run measures the requests sent after the warm-up; its window is long enough for
 ``MIN_REQUESTS`` of them.
@@ -78,7 +78,7 @@ def run_metrics(cols: dict, steps: dict, n_layers: int) -> dict:
 
 def measure(setup: SimSetup, arrivals, router: str, rate: float, seed: int) -> dict:
     """One SIMULATED run of ``router`` at ``rate`` on seed ``seed``'s arrivals."""
-    from eldr_cli.pipeline.simulate import simulate_run
+    from eldr_cli.simulator.cluster import simulate_run
 
     warm, dur = setup.window(rate)
     sched = arrivals.schedule(rate, duration_s=dur, warmup_s=warm)

@@ -85,7 +85,7 @@ def score_batches(trace: Trace, rec: dict[str, np.ndarray], layouts: dict[str, n
     all decoders) or [K, L, P] (one per decoder). Returns per-batch arrays (means over layers):
     ``active``, ``lower_bound`` and one max-activated-per-rank column per layout, plus ``step``,
     ``decoder``, ``batch_size``."""
-    from eldr_cli.stages.placement import lower_bound, max_active_per_rank
+    from eldr_cli.method.placement import lower_bound, max_active_per_rank
 
     if trace.decode_offsets is None or trace.decode_picks is None:
         raise ValueError("trace has no per-step decode picks to score")

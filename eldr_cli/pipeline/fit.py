@@ -1,6 +1,6 @@
 """The offline fit as artifact-to-artifact stages: fit-idf -> select-layers -> cluster (and fit).
 
-Each ``run_*`` function reads its input artifacts, calls the estimators in ``eldr_cli.stages``,
+Each ``run_*`` function reads its input artifacts, calls the estimators in ``eldr_cli.method``,
 and writes one artifact atomically; the CLI commands are thin wrappers around them.
 """
 
@@ -15,8 +15,8 @@ import numpy as np
 from eldr_cli.artifacts.store import Artifact, ArtifactWriter
 from eldr_cli.artifacts.trace import Trace, read_trace
 from eldr_cli.errors import EldrError
+from eldr_cli.method.signature import blas_threads
 from eldr_cli.pipeline import checks
-from eldr_cli.stages.signature import blas_threads
 
 
 def _fit_rows(trace: Trace, split: str) -> np.ndarray:
@@ -37,7 +37,7 @@ def _preload_plots():
 
 def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split: str = "calibration",
                 trace: Trace | None = None) -> Path:
-    from eldr_cli.stages.idf import ExpertIDF
+    from eldr_cli.method.idf import ExpertIDF
 
     trace = trace or read_trace(trace_path, with_picks=False)
     rows = _fit_rows(trace, split)
@@ -55,7 +55,7 @@ def run_fit_idf(trace_path: str | os.PathLike, out: str | os.PathLike, *, split:
 def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transform: str = "auto",
                       seed: int = 0, split: str = "calibration", trace: Trace | None = None,
                       figures: bool = True) -> Path:
-    from eldr_cli.stages.layers import LayerSelector
+    from eldr_cli.method.layers import LayerSelector
 
     trace = trace or read_trace(trace_path, with_picks=False)
     idf_art = Artifact(idf_path, kind="idf")
@@ -97,8 +97,8 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
 def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = False, seed: int = 0,
                 tau: float = 0.1, max_iter: int = 50, split: str = "calibration", trace: Trace | None = None,
                 figures: bool = True) -> Path:
-    from eldr_cli.stages.cluster import BalancedKMeans
-    from eldr_cli.stages.signature import signatures
+    from eldr_cli.method.cluster import BalancedKMeans
+    from eldr_cli.method.signature import signatures
 
     checks.check_tau(tau)
     trace = trace or read_trace(trace_path, with_picks=False)
@@ -157,7 +157,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
 
 def _fit_decode_activation(S: np.ndarray, trace: Trace, rows: np.ndarray, seed: int):
     """The eldr-live decode-activation model of the calibration rows (None when they have no decode)."""
-    from eldr_cli.stages.live import DecodeActivation
+    from eldr_cli.method.live import DecodeActivation
 
     steps = np.asarray(trace.decode_steps)[rows]
     if int((steps > 0).sum()) < 2:

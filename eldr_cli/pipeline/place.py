@@ -2,7 +2,7 @@
 
 :func:`run_place_experts` reads a trace and the routing artifact fitted on it, fits the per-decoder
 placement (ELDR §5), the global EPLB baseline and the contiguous layout
-(:mod:`eldr_cli.stages.placement`), and writes a ``placement`` artifact with one export per decoder
+(:mod:`eldr_cli.method.placement`), and writes a ``placement`` artifact with one export per decoder
 (``export/decoder-XX.json``) in vLLM's EPLB representation. Its replay evaluation
 (``eldr place-experts evaluate``) is :mod:`eldr_cli.pipeline.evaluate`.
 """
@@ -88,7 +88,7 @@ def run_place_experts(trace_path: str | os.PathLike, routing_path: str | os.Path
     """Fit per-decoder placement + global EPLB + contiguous on the calibration split; write ``placement``."""
     import time
 
-    from eldr_cli.stages.placement import (
+    from eldr_cli.method.placement import (
         GlobalEPLB,
         PerDecoderPlacement,
         check_ep_size,
@@ -186,7 +186,7 @@ def _write_exports(exp: Path, per_decoder: np.ndarray, global_eplb: np.ndarray, 
 def _plot_rank_loads(path, per, contiguous, eplb_p2l, R) -> None:
     """Expected activation of each decoder's heaviest rank / mean rank, per layout (box per layout)."""
     from eldr_cli import plots
-    from eldr_cli.stages.placement import ranks_of
+    from eldr_cli.method.placement import ranks_of
 
     plt = plots.plt()
     a = per.activation_

@@ -7,33 +7,23 @@ arrival schedules and routing objects as the emulated cluster, in virtual time, 
   ``eldr_cli.routing.make_router`` (the proxy's own object) chooses the decode worker from the
   request's prefill counts, its domain and the loads;
 - decode: continuous batching with replayed per-step expert picks (eldr_cli/simulator/core.py).
+
+The event loop of one (router, rate) run is :func:`eldr_cli.simulator.cluster.simulate_run`; this module
+turns a sweep of them into a bench artifact.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 
-from eldr_cli.bench.replay import TraceReplay, prefill_batch
-from eldr_cli.bench.workload import PromptItem, Schedule, build_schedule, row_ref
+from eldr_cli.bench.replay import TraceReplay
+from eldr_cli.bench.workload import PromptItem, build_schedule, row_ref
 from eldr_cli.errors import EldrError
-from eldr_cli.routing import LOAD_BALANCERS, ROUTERS, DecodeRouter, make_router
-
-
-def _prefill_chooser(n_prefill: int):
-    """The proxy's PrefixHash prefill choice over simulated workers."""
-    from eldr_cli.proxy.config import ProxyConfig
-    from eldr_cli.proxy.workers import PrefixHashPrefill, WorkerPool
-
-    cfg = ProxyConfig()
-    pool = WorkerPool("prefill", [f"http://sim-prefill-{i}" for i in range(n_prefill)])
-    chooser = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
-    return pool, chooser
+from eldr_cli.routing import LOAD_BALANCERS, ROUTERS
+from eldr_cli.simulator.cluster import simulate_run
 
 
 def check_compatible(replay: TraceReplay, model) -> None:
@@ -69,153 +59,6 @@ def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
         raise EldrError(f"the cost model {cost_model} is of {p.get('model')} (L={L}, E={E}) but the trace has "
                         f"L={replay.n_layers}, E={replay.num_experts}",
                         hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ...")
-
-
-class _PrefillCost:
-    """``replay.prefill_step_ms`` for the event loop: the same charged prompt experts (union, or the
-    busiest EP rank's) and the same ``cost.step_ms``, compiled, with each row's own count computed once
-    (most prefill steps at these loads hold one request)."""
-
-    def __init__(self, replay: TraceReplay):
-        from eldr_cli.bench.replay import charged_counts
-        from eldr_cli.simulator.core import union_active
-
-        self.replay, self.union = replay, union_active
-        self.geo = (replay.n_layers, replay.num_experts, replay.ep)
-        self.single = charged_counts(replay.prefill_masks, *self.geo).tolist()
-        self.acc = np.zeros(replay.prefill_masks.shape[1], dtype=np.uint64)
-
-    def __call__(self, rows: list[int], tokens: int) -> float:
-        rp = self.replay
-        a = self.single[rows[0]] if len(rows) == 1 else \
-            int(self.union(rp.prefill_masks, np.array(rows, dtype=np.int64), self.acc, *self.geo))
-        return rp.cost.step_ms(a, rp.n_layers, tokens, rp.token_scale)
-
-
-class _LiveSet:
-    """The simulator's side of a stateful router's lifecycle: on_dispatch at admission, on_finish once the
-    decode engine has finished the request (checked before every handoff, which is when it matters)."""
-
-    def __init__(self, dec):
-        self.dec = dec
-        self.rids = np.zeros(0, dtype=np.int64)
-        self.new: list[int] = []
-
-    def dispatch(self, router: DecodeRouter, decision, rid: int) -> None:
-        router.on_dispatch(decision, rid)
-        self.new.append(rid)
-
-    def finish(self, router: DecodeRouter) -> None:
-        if self.new:
-            self.rids = np.concatenate([self.rids, np.asarray(self.new, dtype=np.int64)])
-            self.new = []
-        done = np.isfinite(self.dec.req_finish[self.rids])
-        if done.any():
-            for rid in self.rids[done].tolist():
-                router.on_finish(int(self.dec.req_worker[rid]), rid)
-            self.rids = self.rids[~done]
-
-
-def simulate_run(replay: TraceReplay, prompts: list[PromptItem], schedule: Schedule, *, router: str,
-                 n_prefill: int, n_decode: int, max_tokens: int, model=None, tau: float | None = None,
-                 seed: int = 0, max_seqs: int = 256, prefill_max_tokens: int = 8192,
-                 item_rows: np.ndarray | None = None, oracle=None) -> tuple[dict, dict, dict]:
-    """One (router, rate) run. Returns (request columns, step log, facts). With ``item_rows`` (trace row of
-    each prompt item) requests are those rows directly; otherwise prompts are matched to rows by text."""
-    policy: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle,
-                                       cost=replay.cost)
-    n = len(schedule)
-    if item_rows is not None:
-        req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]
-        matched = np.ones(n, dtype=bool)
-    else:
-        rows_match = [replay.match(prompts[i].prompt) for i in schedule.prompt_index]
-        req_row = np.array([r for r, _ in rows_match], dtype=np.int64)
-        matched = np.array([m for _, m in rows_match], dtype=bool)
-    measured = ~schedule.warmup
-    from eldr_cli.simulator.core import DecodePool
-
-    dec = DecodePool(replay, n_decode, req_row, np.full(n, max_tokens), measured, max_seqs=max_seqs,
-                     log_capacity=max(1 << 14, int(n * 8)),
-                     kv_capacity_tokens=(replay.cost.deployment or {}).get("kv_capacity_tokens"))
-    ppool, chooser = _prefill_chooser(n_prefill)
-    pq: list[deque] = [deque() for _ in range(n_prefill)]
-    busy = [False] * n_prefill
-    events: list = []
-    seq = 0
-    prefill_done_t = np.full(n, np.nan)
-    ptoks = replay.prompt_tokens
-    req_tok = ptoks[req_row].tolist()
-    prefill_ms = _PrefillCost(replay)
-    live = _LiveSet(dec) if policy.stateful else None
-
-    def start_prefill(p: int, t: float):
-        nonlocal seq
-        q = pq[p]
-        k = prefill_batch([req_tok[r] for r in islice(q, 64)], prefill_max_tokens)
-        batch = [q.popleft() for _ in range(k)]
-        ms = prefill_ms([int(req_row[r]) for r in batch], sum(req_tok[r] for r in batch))
-        busy[p] = True
-        seq += 1
-        heapq.heappush(events, (t + max(ms, 0.01) / 1e3, seq, p, batch))
-
-    offsets = schedule.offsets
-    i = 0
-    while i < n or events:
-        if i < n and (not events or offsets[i] <= events[0][0]):
-            t = float(offsets[i])
-            w = chooser.choose(ppool, prompts[schedule.prompt_index[i]].prompt)
-            p = ppool.workers.index(w)
-            w.inflight += 1
-            pq[p].append(i)
-            if not busy[p]:
-                start_prefill(p, t)
-            i += 1
-            continue
-        t, _, p, batch = heapq.heappop(events)
-        busy[p] = False
-        ppool.workers[p].inflight -= len(batch)
-        dec.advance(t)
-        if live is not None:
-            live.finish(policy)
-        for rid in batch:
-            prefill_done_t[rid] = t
-            row = int(req_row[rid])
-            counts = replay.prefill_counts(row) if policy.needs_signature else None
-            d = policy.decide(counts, dec.inflight, domain=prompts[schedule.prompt_index[rid]].domain, key=row,
-                              tokens=req_tok[rid] + max_tokens // 2)
-            dec.admit(d.worker, rid, t)
-            if live is not None:
-                live.dispatch(policy, d, rid)
-        if pq[p]:
-            start_prefill(p, t)
-    dec.advance(np.inf)
-    if live is not None:
-        live.finish(policy)
-    # per-request columns, vectorized (a heavy run has ~15k requests)
-    sent = np.asarray(offsets, dtype=np.float64)
-    first, fin, ntok = dec.req_first, dec.req_finish, dec.req_ntok
-    ok = np.isfinite(fin)
-    pidx = np.asarray(schedule.prompt_index, dtype=np.int64)
-    doms = np.array([it.domain for it in prompts], dtype=object)[pidx]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(ok & (ntok > 1), (fin - first) * 1e3 / np.maximum(ntok - 1, 1), np.nan)
-    cols = {
-        "request_id": [f"sim-{router}-{schedule.rate:g}-{i}" for i in range(n)], "router": [router] * n,
-        "request_rate": np.full(n, schedule.rate), "prompt_index": pidx, "domain": doms.tolist(),
-        "scheduled_s": sent, "sent_s": sent, "lag_ms": np.zeros(n),
-        "ttft_ms": np.where(ok, (first - sent) * 1e3, np.nan), "tpot_ms": tpot,
-        "e2el_ms": np.where(ok, (fin - sent) * 1e3, np.nan), "itl_ms": None,
-        "prompt_tokens": ptoks[req_row].astype(np.int64), "output_tokens": ntok.astype(np.int64),
-        "outcome": np.where(ok, "ok", "incomplete").tolist(), "error": None,
-        "warmup": np.asarray(schedule.warmup, dtype=bool), "decode_worker": dec.req_worker.astype(np.int64),
-    }
-    # decode steps past a row's captured ones replay its steps again from the first (wrap)
-    wrapped = int((replay.steps[req_row] < max_tokens).sum())
-    facts = {"unmatched": int((~matched).sum()), "matched": int(matched.sum()), "wrapped_requests": wrapped,
-             "kv_preemptions": dec.preemptions}
-    facts.update(policy.facts())
-    return cols, dec.step_log(), facts
 
 
 def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, prompts: str | Path | None = None,

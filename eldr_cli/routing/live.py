@@ -1,7 +1,7 @@
 """``eldr-live``: the cost-aware decode policy (issue 21; beyond the paper's locality band).
 
 Per decoder it keeps the live set of its in-flight requests, each as the decode-activation prototype its
-prefill signature predicts (:class:`eldr_cli.stages.live.DecodeActivation`, fitted into the routing
+prefill signature predicts (:class:`eldr_cli.method.live.DecodeActivation`, fitted into the routing
 artifact), and their context tokens. For each candidate decoder d it predicts the next decode step with
 and without the new request through the cost model's step form (``CostModel.step_terms``)::
 

@@ -28,8 +28,8 @@ class RoutingModel:
                  tau: float = 0.1, domain_share: dict[str, float] | None = None,
                  live: tuple[np.ndarray, np.ndarray] | None = None):
         """``live``: (prototypes [M, N* x E], decode activation [M + 1, L, E]) of the eldr-live policy
-        (:class:`eldr_cli.stages.live.DecodeActivation`); None for artifacts fitted before it."""
-        from eldr_cli.stages.signature import SERVABLE_TRANSFORMS
+        (:class:`eldr_cli.method.live.DecodeActivation`); None for artifacts fitted before it."""
+        from eldr_cli.method.signature import SERVABLE_TRANSFORMS
 
         if transform not in SERVABLE_TRANSFORMS:
             raise EldrError(f"routing artifact uses transform {transform!r}, which cannot be computed from "
@@ -62,8 +62,8 @@ class RoutingModel:
 
     def signature(self, counts: np.ndarray) -> np.ndarray:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
-        :func:`eldr_cli.stages.signature.signatures`, so fit and serving cannot disagree."""
-        from eldr_cli.stages.signature import signatures
+        :func:`eldr_cli.method.signature.signatures`, so fit and serving cannot disagree."""
+        from eldr_cli.method.signature import signatures
 
         c = np.asarray(counts)
         if c.shape != self.weights.shape:

@@ -30,7 +30,7 @@ class OracleModel:
                  seed: int = 0, signature=None):
         """``signature``: counts [L, E] -> unit vector; ELDR's own signature function (layers, transform)
         when a routing model is at hand, so the oracle differs from ELDR only in *seeing decode*."""
-        from eldr_cli.stages.cluster import BalancedKMeans
+        from eldr_cli.method.cluster import BalancedKMeans
 
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         if signature is None:

@@ -124,7 +124,7 @@ def _train(tmp: Path, rows, train_rows, config: dict, key: str, threads: int, lo
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from eldr_cli.models.tiny import EOS, _config, train_tokenizer
+    from eldr_cli.checkpoints.tiny import EOS, _config, train_tokenizer
 
     torch.set_num_threads(threads)
     torch.manual_seed(config["seed"])

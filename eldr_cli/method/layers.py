@@ -8,7 +8,7 @@ import numpy as np
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import InvalidDataError
-from eldr_cli.stages.signature import (
+from eldr_cli.method.signature import (
     SERVABLE_TRANSFORMS,
     TRANSFORMS,
     PairLayerCache,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from eldr_cli.artifacts.trace import read_trace
+from eldr_cli.checkpoints.train import split_of, train_tiny_moe
 from eldr_cli.data import prompts_file
-from eldr_cli.models.train import split_of, train_tiny_moe
 from eldr_cli.pipeline.capture import run_capture
 
 # Small enough to train in well under a minute on a quiet 2-core machine, large enough that the gap to
@@ -45,7 +45,7 @@ def trained_small(tmp_path_factory):
 
 @pytest.mark.slow
 def test_trained_decode_is_more_predictable_from_prefill_than_random(trained_small, tmp_path):
-    from eldr_cli.models.tiny import build_tiny_moe
+    from eldr_cli.checkpoints.tiny import build_tiny_moe
     from eldr_cli.pipeline.fit import run_fit
 
     prompts = heldout_prompts(tmp_path / "p.jsonl", 120)

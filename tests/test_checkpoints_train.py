@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eldr_cli.artifacts.trace import read_trace
+from eldr_cli.checkpoints.train import MARKER, split_of, train_tiny_moe
 from eldr_cli.data import prompts_file
-from eldr_cli.models.train import MARKER, split_of, train_tiny_moe
 from eldr_cli.pipeline.capture import run_capture
 
 # a ~30-second configuration on a loaded 2-core machine

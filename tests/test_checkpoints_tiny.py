@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
+from eldr_cli.checkpoints.tiny import FAMILIES, build_tiny_moe
 from eldr_cli.errors import EldrError
-from eldr_cli.models.tiny import FAMILIES, build_tiny_moe
 
 
 def _digest(d):

@@ -34,7 +34,7 @@ class DecodeActivation:
         self.seed = seed
 
     def fit(self, signatures: np.ndarray, decode_counts: np.ndarray, decode_steps: np.ndarray) -> "DecodeActivation":
-        from eldr_cli.stages.cluster import BalancedKMeans
+        from eldr_cli.method.cluster import BalancedKMeans
 
         if not isinstance(self.n_prototypes, int) or self.n_prototypes < 1:
             raise InvalidParameterError("n_prototypes",
