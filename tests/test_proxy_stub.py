@@ -298,7 +298,8 @@ def test_config_files_and_errors(tmp_path, routing3, routing4):
     with pytest.raises(EldrError, match="unknown key 'prefil'"):
         build_config(bad)
     with pytest.raises(EldrError, match="K=4 centroids but there are 3"):
-        create_app(ProxyConfig(routing=str(routing4), prefill=["http://a"], decode=["http://b", "http://c", "http://d"]))
+        create_app(ProxyConfig(routing=str(routing4), policy="eldr", prefill=["http://a"],
+                               decode=["http://b", "http://c", "http://d"]))
     with pytest.raises(EldrError, match="needs a routing artifact"):
         build_config(None, prefill=["http://a"], decode=["http://b"], policy="eldr")
 
@@ -308,7 +309,7 @@ def test_cli_refuses_k_mismatch(routing4):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "eldr_cli", "serve-proxy", "--routing", str(routing4),
-                        "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
+                        "--policy", "eldr", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "K=4" in r.stderr and "Traceback" not in r.stderr

@@ -13,8 +13,8 @@ def serve_proxy_cmd(
     prefill: List[str] = typer.Option([], "--prefill", help="Prefill worker URL (repeatable)."),
     decode: List[str] = typer.Option([], "--decode", help="Decode worker URL (repeatable); position i = centroid i."),
     policy: Optional[str] = typer.Option(None, "--policy",
-                                         help="eldr, eldr-live, round-robin, jsq, p2c, random or domain "
-                                              "(default eldr)."),
+                                         help="eldr-live (default), eldr, round-robin, jsq, p2c, random or "
+                                              "domain."),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model",
                                               help="Cost-model artifact eldr-live predicts step times with "
                                                    "(default: a relative shape of the paper's Fig. 2)."),

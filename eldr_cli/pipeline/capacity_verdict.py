@@ -123,7 +123,8 @@ def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> 
             v["change_vs_best_lb_by_load"].append(
                 {"load_pct": pct, "router": r, **{k.replace("_ms", "_pct"): _iv(change_at(study, pct, r, k), 2)
                                                   for k in BY_LOAD_KEYS}})
-    v.update(legacy_keys(study, headline_router(routers)))
+    # today's four keys keep their meaning: the paper's eldr against the best load balancer
+    v.update(legacy_keys(study, "eldr" if "eldr" in routers else headline_router(routers)))
     return v
 
 
@@ -134,9 +135,10 @@ def _binding(study: dict, router: str) -> str | None:
 
 
 def headline_router(routers: list[str]) -> str | None:
-    """The router the verdict is about: eldr when run, else the first other candidate."""
+    """The router the verdict is about: eldr-live (the proxy's default) when run, else eldr, else the first
+    other candidate."""
     cands = [r for r in routers if is_candidate(r)]
-    return "eldr" if "eldr" in cands else (cands[0] if cands else None)
+    return next((r for r in ("eldr-live", "eldr") if r in cands), cands[0] if cands else None)
 
 
 def legacy_keys(study: dict, router: str | None) -> dict:

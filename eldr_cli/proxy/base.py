@@ -4,6 +4,7 @@ exchange, admin and health mixins use (declared here so each module type-checks 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,16 @@ def make_shared_state(cfg: ProxyConfig) -> LocalState:
     key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
     conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)
     return RedisState(conn, key, cfg.state_reserve_ms)
+
+
+def default_policy(model: RoutingModel | None, path: str | None) -> str:
+    """eldr-live when the routing artifact carries its decode-activation model; else the paper's eldr, said once."""
+    if model is not None and model.live is not None:
+        return "eldr-live"
+    logging.getLogger("eldr.proxy").warning(
+        "routing artifact %s was fitted before eldr-live (no decode-activation model): serving with the paper's "
+        "eldr policy; refit it with `eldr fit` to use the default eldr-live", path)
+    return "eldr"
 
 
 def load_step_cost(path: str | None, model: RoutingModel | None) -> Any:
@@ -61,6 +72,8 @@ class ProxyState:
         self.cost = load_step_cost(cfg.cost_model, self.model)
         self.routing_path = cfg.routing
         self.tau_override = cfg.tau
+        if cfg.policy is None:
+            cfg.policy = default_policy(self.model, cfg.routing)
         self.router = self.make(cfg.policy, len(self.decode), self.model, cfg.tau)
         self.prefix = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
         self.in_progress = 0

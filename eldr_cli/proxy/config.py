@@ -22,7 +22,7 @@ class ProxyConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     routing: str | None = None          # routing (or fit) artifact dir; needed by eldr and domain
-    policy: str = "eldr"
+    policy: str | None = None           # None: eldr-live (eldr for a routing artifact fitted before it)
     cost_model: str | None = None       # the step cost model eldr-live predicts with (None: relative default)
     tau: float | None = None            # None -> the tau stored in the routing artifact
     seed: int = 0                       # for random / p2c
@@ -62,7 +62,7 @@ class ProxyConfig:
     workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":
-        if self.policy not in POLICIES:
+        if self.policy is not None and self.policy not in POLICIES:
             raise EldrError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
         if not self.prefill:
             raise EldrError("no prefill worker given", hint="pass --prefill URL (repeatable)")
@@ -74,8 +74,10 @@ class ProxyConfig:
         validate_parameter("port", self.port, what="--port")
         validate_parameter("workers", self.workers, what="--workers")
         self._validate_state()
-        if self.policy in ("eldr", "eldr-live", "domain") and not self.routing:
-            raise EldrError(f"policy {self.policy!r} needs a routing artifact", hint="pass --routing DIR")
+        if self.policy in (None, "eldr", "eldr-live", "domain") and not self.routing:
+            what = f"policy {self.policy!r}" if self.policy else "the default policy (eldr-live)"
+            raise EldrError(f"{what} needs a routing artifact",
+                            hint="pass --routing DIR, or --policy round-robin|jsq|p2c|random")
         if self.tau is not None:
             self.tau = validate_parameter("tau", self.tau, what="--tau")
         if self.max_body_bytes < 1024:
