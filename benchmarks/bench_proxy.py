@@ -360,6 +360,7 @@ def _parse_args():
     ap.add_argument("--sweep", default="300,500,700,1000,1400,2000")
     ap.add_argument("--soak-n", type=int, default=10000)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--policy", default="eldr", help="our proxy's signature policy (eldr or eldr-live)")
     return ap.parse_args()
 
 
@@ -381,8 +382,8 @@ class Rig:
     """The processes of one run: stub workers, our proxy (policies eldr and jsq), the peer twice.
     Every process started is in ``procs`` and stopped by ``stop_all`` (also on failure)."""
 
-    def __init__(self, tmp: Path, routing: Path):
-        self.tmp, self.routing = tmp, routing
+    def __init__(self, tmp: Path, routing: Path, policy: str = "eldr"):
+        self.tmp, self.routing, self.policy = tmp, routing, policy
         self.ports = _free_ports(10)
         self.pre = [f"http://127.0.0.1:{p}" for p in self.ports[:2]]
         self.dec = [f"http://127.0.0.1:{p}" for p in self.ports[2:4]]
@@ -409,7 +410,7 @@ class Rig:
 
     def start_ours(self):
         self.ours = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
-                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", "eldr",
+                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", self.policy,
                                  "--port", str(self.ports[4]), "--log-level", "warning"],
                                 "ours.log", self.ours_url + "/health")
         # the same proxy with the jsq policy: its cost without the signature handoff
@@ -634,7 +635,7 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
-    rig = Rig(tmp, _fit_routing(tmp))
+    rig = Rig(tmp, _fit_routing(tmp), args.policy)
     try:
         rig.start_stubs()
         rig.start_ours()

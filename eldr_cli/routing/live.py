@@ -93,6 +93,7 @@ class EldrLivePolicy(Policy):
         self.remote_tokens = np.zeros(n_workers, dtype=np.int64)
         self.log_q = np.zeros((n_workers, self.act.shape[1]))
         self.q = np.ones((n_workers, self.act.shape[1]), dtype=np.float32)
+        self._scratch = np.zeros(self.act.shape[1])
         self.active = np.zeros(n_workers)                                   # A_d
         self.where: dict[Any, tuple[int, int, int]] = {}
         self.last_dispatch = [0] * n_workers  # ties go to the decoder that was sent a request longest ago
@@ -156,8 +157,8 @@ class EldrLivePolicy(Policy):
     def _refresh(self, d: int) -> None:
         if not self.counts[d].any() and not self.remote[d].any():
             self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
-        # experts below e^-60 of being idle count as certainly busy: no float32 denormals in the products
-        self.q[d] = np.where(self.log_q[d] < LOG_Q_FLOOR, 0.0, np.exp(np.maximum(self.log_q[d], LOG_Q_FLOOR)))
+        # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing measurable lost
+        np.exp(np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch), out=self.q[d])
         self.active[d] = float(self.q.shape[1] - self.q[d].sum(dtype=np.float64))
 
     def is_empty(self) -> bool:
