@@ -33,6 +33,7 @@ from pathlib import Path
 
 from eldr_cli.checkpoints.train import DEFAULT_STEPS
 from eldr_cli.data import prompts_file
+from eldr_cli.routing import LOAD_BALANCERS
 from eldr_cli.testing.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +153,7 @@ def _effect(out: Path) -> list[str]:
             continue
         pct = e.get("median_tpot_ms_pct_vs_best_lb")
         act = ""
-        lbs = {k: v for k, v in active.items() if k in ("round-robin", "random", "jsq", "p2c")}
+        lbs = {k: v for k, v in active.items() if k in LOAD_BALANCERS}
         if "eldr" in active and lbs:
             best = min(lbs, key=lambda k: lbs[k])
             act = (f"; active experts/step {active['eldr']:.1f} vs {lbs[best]:.1f} ({best}, "

@@ -9,7 +9,6 @@ run() {  # tree outdir
     $E synth-trace --out "$O/trace" --requests 300 --layers 8 --experts 32 --top-k 2 --seed 3 --picks >/dev/null
     $E fit --trace "$O/trace" --decoders 4 --out "$O/fit" --pairs 3000 --seed 0 >/dev/null
     $E place-experts --trace "$O/trace" --routing "$O/fit" --ep-size 4 --out "$O/place" >/dev/null
-    $E bench cost-model --help >/dev/null 2>&1 || true
     .venv/bin/python - "$O" <<'PY'
 import sys, json
 from pathlib import Path

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eldr_cli.errors import EldrError
+from eldr_cli.routing import LOAD_BALANCERS
 
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
 ORACLE = "oracle"
 CI_METHOD = "95% Student-t interval over seeds (n-1 degrees of freedom), paired across routers"
 TOLERANCE = 0.02          # bisect until hi <= (1 + TOLERANCE) * lo
