@@ -360,7 +360,8 @@ def _parse_args():
     ap.add_argument("--sweep", default="300,500,700,1000,1400,2000")
     ap.add_argument("--soak-n", type=int, default=10000)
     ap.add_argument("--skip-peer", action="store_true")
-    ap.add_argument("--policy", default="eldr", help="our proxy's signature policy (eldr or eldr-live)")
+    ap.add_argument("--extra-policies", default="eldr-live",
+                    help="comma-separated policies run as more rows of our proxy, beside eldr and jsq ('' for none)")
     return ap.parse_args()
 
 
@@ -379,12 +380,12 @@ def _flags(name, urls):
 
 
 class Rig:
-    """The processes of one run: stub workers, our proxy (policies eldr and jsq), the peer twice.
-    Every process started is in ``procs`` and stopped by ``stop_all`` (also on failure)."""
+    """The processes of one run: stub workers, our proxy (policies eldr, jsq and each of ``extra``, e.g.
+    eldr-live), the peer twice. Every process started is in ``procs`` and stopped by ``stop_all``."""
 
-    def __init__(self, tmp: Path, routing: Path, policy: str = "eldr"):
-        self.tmp, self.routing, self.policy = tmp, routing, policy
-        self.ports = _free_ports(10)
+    def __init__(self, tmp: Path, routing: Path, extra: tuple[str, ...] = ("eldr-live",)):
+        self.tmp, self.routing, self.extra = tmp, routing, extra
+        self.ports = _free_ports(10 + len(extra))
         self.pre = [f"http://127.0.0.1:{p}" for p in self.ports[:2]]
         self.dec = [f"http://127.0.0.1:{p}" for p in self.ports[2:4]]
         self.ours_url = f"http://127.0.0.1:{self.ports[4]}"
@@ -392,6 +393,7 @@ class Rig:
         self.procs = []
         self.stubs = self.ours = self.ours_jsq = None
         self.peers = []  # (name, process, url)
+        self.ours_extra = []  # (policy, process, url)
 
     def _start(self, cmd, log, health_url, timeout=60):
         p = _spawn(cmd, self.tmp / log)
@@ -410,7 +412,7 @@ class Rig:
 
     def start_ours(self):
         self.ours = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
-                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", self.policy,
+                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", "eldr",
                                  "--port", str(self.ports[4]), "--log-level", "warning"],
                                 "ours.log", self.ours_url + "/health")
         # the same proxy with the jsq policy: its cost without the signature handoff
@@ -418,6 +420,12 @@ class Rig:
                                      *_flags("--decode", self.dec), "--policy", "jsq",
                                      "--port", str(self.ports[9]), "--log-level", "warning"],
                                     "ours-jsq.log", self.ours_jsq_url + "/health")
+        for policy, port in zip(self.extra, self.ports[10:], strict=True):  # the same proxy, another policy
+            url = f"http://127.0.0.1:{port}"
+            p = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
+                             *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", policy,
+                             "--port", str(port), "--log-level", "warning"], f"ours-{policy}.log", url + "/health")
+            self.ours_extra.append((policy, p, url))
 
     def start_peers(self):
         """The peer twice: its defaults (cache_aware prefill and decode) and round_robin (least work)."""
@@ -433,8 +441,8 @@ class Rig:
             self.peers.append((name, p, url))
 
     def routers(self):
-        return [("eldr", self.ours, self.ours_url), ("eldr-proxy jsq", self.ours_jsq, self.ours_jsq_url),
-                *self.peers]
+        return [("eldr", self.ours, self.ours_url), *self.ours_extra,
+                ("eldr-proxy jsq", self.ours_jsq, self.ours_jsq_url), *self.peers]
 
     def stop_all(self):
         for p in self.procs:
@@ -470,8 +478,9 @@ def _rate_sweep(rig: Rig, rates, duration, console):
     """Rates in increasing order until every router failed one: the highest rate per router with no
     errors, p99 added < 50 ms and >= 95% of the offered rate completed."""
     sweep = {}
-    best = {"eldr": None, "eldr-proxy jsq": None, "vllm-router": None, "vllm-router rr": None}
-    alive = {"eldr": True, "eldr-proxy jsq": True, "vllm-router": bool(rig.peers), "vllm-router rr": bool(rig.peers)}
+    names = [name for name, _, _ in rig.routers()]
+    best = {name: None for name in names}
+    alive = {name: True for name in names}
     for rate in rates:
         if not any(alive.values()):
             break
@@ -582,6 +591,17 @@ def _summary(result):
         "eldr_proxy_jsq_cpu_us_per_request": r200["eldr-proxy jsq"]["cpu_us_per_request"],
         "eldr_proxy_jsq_max_rate": best["eldr-proxy jsq"],
     }
+    if "eldr-live" in r200:  # issue 21's bar: eldr-live's added latency within 10% of eldr's
+        r50 = result["latency_50rps"]
+        for rate, rows in (("50", r50), ("200", r200)):
+            live, eldr = rows["eldr-live"], rows["eldr"]
+            summary[f"eldr_live_added_p50_ms_at_{rate}"] = live["added_p50_ms"]
+            summary[f"eldr_live_cpu_us_per_request_at_{rate}"] = live["cpu_us_per_request"]
+            summary[f"ratio_added_p50_eldr_live_over_eldr_at_{rate}"] = (
+                live["added_p50_ms"] / eldr["added_p50_ms"] if eldr["added_p50_ms"] > 0 else None)
+            summary[f"ratio_cpu_eldr_live_over_eldr_at_{rate}"] = (live["cpu_us_per_request"]
+                                                                    / eldr["cpu_us_per_request"])
+        summary["eldr_live_max_rate"] = best.get("eldr-live")
     if "vllm-router" in r200:
         summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
         summary["ratio_added_p50_eldr_over_vllm_router"] = (
@@ -635,7 +655,7 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
-    rig = Rig(tmp, _fit_routing(tmp), args.policy)
+    rig = Rig(tmp, _fit_routing(tmp), tuple(p for p in args.extra_policies.split(",") if p))
     try:
         rig.start_stubs()
         rig.start_ours()
@@ -647,7 +667,7 @@ def main():
         rates = [float(x) for x in args.sweep.split(",")]
         result["sweep"], result["max_rate_p99_added_below_50ms"] = _rate_sweep(rig, rates, args.sweep_duration,
                                                                                  console)
-        for _, p, _ in rig.peers:
+        for _, p, _ in [*rig.peers, *rig.ours_extra]:
             _stop(p)
         console.print(f"[bold]3. soak[/]: {args.soak_n} requests with injected faults")
         result["soak"] = _soak_phase(rig, args.soak_n, args.concurrency)

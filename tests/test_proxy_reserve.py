@@ -28,24 +28,33 @@ def redis():
         yield r
 
 
-@pytest.fixture
-def cluster(redis, request):
-    reserve_ms = getattr(request, "param", 50.0)
+def _replicas(redis, reserve_ms: float, policy: str = "jsq", routing=None):
+    """Two replicas over one Redis database in front of one prefill and two slow decode stubs."""
     url = f"redis://{redis.host}:{redis.port}/{next(redis.free_dbs)}"
     stubs = [StubWorker("p0")] + [StubWorker(f"d{i}", token_delay_s=0.05) for i in range(2)]
     servers = [ServerThread(s).start() for s in stubs]
     pre, dec = [servers[0].url], [s.url for s in servers[1:]]
     reps = []
     for _ in range(2):
-        cfg = ProxyConfig(prefill=pre, decode=dec, policy="jsq", state=url, admin_token=TOKEN,
+        cfg = ProxyConfig(prefill=pre, decode=dec, policy=policy, routing=routing, state=url, admin_token=TOKEN,
                           health_interval_s=0, state_reserve_ms=reserve_ms).validate()
         app = create_app(cfg)
         reps.append((app, ServerThread(app).start()))
-    yield url, reps, stubs[1:], dec
+    return url, reps, stubs[1:], dec, servers
+
+
+def _stop_all(reps, servers):
     for _, s in reps:
         s.stop()
     for s in servers:
         s.stop()
+
+
+@pytest.fixture
+def cluster(redis, request):
+    url, reps, decoders, dec, servers = _replicas(redis, getattr(request, "param", 50.0))
+    yield url, reps, decoders, dec
+    _stop_all(reps, servers)
 
 
 def _until(cond, timeout=5.0):
@@ -85,6 +94,31 @@ def test_a_burst_on_two_replicas_is_spread_evenly(cluster):
         t.join()
     assert out == [200] * 16
     assert sum(app.state.shared.reserver.results["ok"] for app, _ in reps) == 16
+
+
+def test_eldr_live_replicas_reserve_too_and_a_burst_is_spread(redis, tmp_path):
+    """eldr-live's band (decoders within 3% of the least predicted cost) goes through the same atomic
+    reservation: every request of a burst on two replicas is reserved, the burst stays within the load
+    cap of one proxy, and every slot is given back."""
+    from _proxy_util import build_routing
+
+    routing = str(build_routing(tmp_path, decoders=2))
+    url, reps, decoders, _, servers = _replicas(redis, 1000.0, policy="eldr-live", routing=routing)
+    try:
+        assert all(app.state.router.name == "eldr-live" for app, _ in reps)
+        ts, out = _burst(reps, decoders)
+        # within the load cap a single proxy keeps (max(2, 25% of the mean)) plus the other replica's lag
+        assert abs(decoders[0].running - decoders[1].running) <= 4, [d.running for d in decoders]
+        for t in ts:
+            t.join()
+        assert out == [200] * 16
+        assert sum(app.state.shared.reserver.results["ok"] for app, _ in reps) == 16
+        r = redis_py.Redis.from_url(url)
+        assert _until(lambda: not r.hgetall(f"{reps[0][0].state.shared.ns}:reserved"), 3)
+        r.close()
+        assert all(app.state.router.policy.is_empty() for app, _ in reps)
+    finally:
+        _stop_all(reps, servers)
 
 
 def test_redis_counts_every_slot_even_late_ones_and_gets_them_all_back(cluster):

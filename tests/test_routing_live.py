@@ -101,7 +101,7 @@ def test_replicas_vectors_sum_to_a_single_router():
         a.apply_remote(w, b.local_vector(w))
         b.apply_remote(w, a.local_vector(w))
     for rep in (a, b):
-        np.testing.assert_allclose(rep.q, one.q, rtol=1e-5)
+        np.testing.assert_allclose(rep.idle_probabilities(), one.idle_probabilities(), rtol=1e-5)
         assert (rep.tokens + rep.remote_tokens == one.tokens).all()
         for m in range(4):
             assert rep.pick([5, 3, 4, 6], _sig(m), tokens=7) == one.pick([5, 3, 4, 6], _sig(m), tokens=7)

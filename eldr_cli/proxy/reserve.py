@@ -9,8 +9,9 @@ within the deadline (``--state-reserve-ms``, default 50), the local decision sta
 answer's slot is moved to the worker actually used (so the counts in Redis stay complete).
 
 The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
-only choose *among* candidates the replica picked from signed data: the policy's band (ELDR) or the
-healthy pool (JSQ), narrowed to the workers whose signed load is within ``SLACK`` of the least loaded.
+only choose *among* candidates the replica picked from signed data: the policy's band (ELDR: the locality
+band; eldr-live: the decoders within 3% of the least predicted cost) or the healthy pool (JSQ), narrowed
+to the workers whose signed load is within ``SLACK`` of the least loaded.
 Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
 heartbeat key has expired are removed by the others (a crash does not leak slots for long).
 """
@@ -167,7 +168,7 @@ async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision,
     was reserved: a policy that is not least-loaded-in-a-set, reservation off, Redis down)."""
     sh = state.shared
     rv = sh.reserver
-    if rv is None or sh.in_outage or state.router.name not in ("eldr", "jsq"):
+    if rv is None or sh.in_outage or state.router.name not in ("eldr", "eldr-live", "jsq"):
         if rv is not None:
             rv.results["skipped"] += 1
         return choice, None

@@ -41,6 +41,8 @@ from eldr_cli.routing.policies import Policy
 # (a + 128 b) / (a + 16 b) = 4.7  ->  a = 14.27 b. A relative shape, not a time: decisions only compare.
 DEFAULT_STEP_TERMS_PER_LAYER = (14.27, 1.0, 0.01)  # (per layer, per active expert, per request per layer)
 LOG_Q_FLOOR = -60.0
+NEAR_BEST = 0.03  # the band: predicted costs within 3% of the least, as good within the prediction's precision
+RECOUNT_EVERY = 4096  # changes of a decoder's live set between exact recounts of its log q
 COST_TIE = 0.03          # costs within 3% are ties ...
 LOW_LOAD_MEAN = 4.0      # ... while decoders run fewer than this many requests on average
 LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the least loaded ...
@@ -51,6 +53,7 @@ class LiveChoice(NamedTuple):
     predicted_ms: np.ndarray  # [K] cost_d (ms, or relative units without a cost model)
     prototype: int
     tokens: int
+    band: np.ndarray | None = None  # decoders within NEAR_BEST of the least cost (replicas reserve among them)
 
 
 def step_form(cost, n_layers: int) -> tuple[float, ...]:
@@ -82,19 +85,27 @@ class EldrLivePolicy(Policy):
             raise EldrError(f"the routing artifact's decode-activation model is {act.shape[1]}x{act.shape[2]}, "
                             f"its signatures {L}x{E}", hint="refit it with `eldr fit`")
         self.n = n_workers
-        self.protos = np.ascontiguousarray(protos, dtype=np.float64)
-        self.act = act.reshape(act.shape[0], -1)                          # [M + 1, L*E]
-        self.log_idle = np.log1p(-self.act.astype(np.float64))           # log(1 - a)
+        self.protos = np.ascontiguousarray(protos, dtype=np.float32)      # float32: half the matvec
+        self.act = np.ascontiguousarray(act.reshape(act.shape[0], -1), dtype=np.float32)  # [M + 1, L*E]
+        # log(1 - a), float32 like q: half the memory traffic per dispatch; the rounding a sum of float32
+        # updates accumulates is wiped by an exact recount every RECOUNT_EVERY changes of a decoder
+        self.log_idle = np.log1p(-self.act.astype(np.float64)).astype(np.float32)
         self.terms = step_form(cost, L)
         M1 = self.act.shape[0]
         self.counts = np.zeros((n_workers, M1), dtype=np.int64)           # local live set
         self.remote = np.zeros((n_workers, M1), dtype=np.int64)           # other replicas' (summed)
         self.tokens = np.zeros(n_workers, dtype=np.int64)
         self.remote_tokens = np.zeros(n_workers, dtype=np.int64)
-        self.log_q = np.zeros((n_workers, self.act.shape[1]))
+        self.log_q = np.zeros((n_workers, self.act.shape[1]), dtype=np.float32)
+        self._changes = [0] * n_workers
         self.q = np.ones((n_workers, self.act.shape[1]), dtype=np.float32)
-        self._scratch = np.zeros(self.act.shape[1])
+        self._scratch = np.zeros(self.act.shape[1], dtype=np.float32)
+        self._recount = np.zeros(self.act.shape[1])
         self.active = np.zeros(n_workers)                                   # A_d
+        self.ctx = np.zeros(n_workers)                                      # C_d (all replicas)
+        self.mem = np.full(n_workers, self.terms[3])                        # m0 + kb A_d + kv C_d
+        self._n_live = [0] * n_workers                                      # requests, all replicas
+        self._dirty: set[int] = set()  # decoders whose q is stale: refreshed once, at the next pick
         self.where: dict[Any, tuple[int, int, int]] = {}
         self.last_dispatch = [0] * n_workers  # ties go to the decoder that was sent a request longest ago
         self._seq = 0
@@ -102,20 +113,23 @@ class EldrLivePolicy(Policy):
 
     # -- the decision ---------------------------------------------------------------------------------
     def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
-        m = self.act.shape[0] - 1 if signature is None else int(np.argmax(self.protos @ signature))
+        if self._dirty:
+            self._refresh()
+        m = self.act.shape[0] - 1 if signature is None else \
+            int((self.protos @ signature.astype(np.float32, copy=False)).argmax())
         c_new = int(tokens or 0)
-        B = np.asarray(loads, dtype=np.float64)
-        C = self.tokens + self.remote_tokens
-        A = self.active
+        ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
+        B = np.array(ld, dtype=np.float64)
+        C = self.ctx
         const, kb, kt, m0, kv, kc, ka, roof = self.terms
-        A1 = A + self.q @ self.act[m]
-        mem, mem1 = m0 + kb * A + kv * C, m0 + kb * A1 + kv * (C + c_new)
+        mem = self.mem
+        mem1 = mem + (kb * (self.q @ self.act[m]) + kv * c_new)  # + the experts and context the request adds
         if roof:
             mem, mem1 = np.maximum(mem, kc * B + ka * C), np.maximum(mem1, kc * (B + 1) + ka * (C + c_new))
-        T = (const + mem + kt * B) * (B > 0)  # an idle decoder runs no step
-        T1 = const + mem1 + kt * (B + 1)
+        base = const + kt * B
+        T = (base + mem) * (B > 0)  # an idle decoder runs no step
+        T1 = base + kt + mem1
         cost = T1 + B * (T1 - T)
-        ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
         lo = min(ld)
         cap = lo + max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         cl = cost.tolist()
@@ -124,9 +138,11 @@ class EldrLivePolicy(Policy):
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
         tie = COST_TIE if sum(ld) < LOW_LOAD_MEAN * len(ld) else 1e-9
-        best = min(cl[k] for k in cand) * (1 + tie)
+        least = min(cl[k] for k in cand)
+        best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        self.last = LiveChoice(cost, m, c_new)
+        near = least * (1 + NEAR_BEST)
+        self.last = LiveChoice(cost, m, c_new, np.array([k for k in cand if cl[k] <= near]))
         return w
 
     # -- the live set ---------------------------------------------------------------------------------
@@ -139,9 +155,11 @@ class EldrLivePolicy(Policy):
         self._seq += 1
         self.last_dispatch[worker] = self._seq
         self.counts[worker, m] += 1
+        self._n_live[worker] += 1
         self.tokens[worker] += tok
         self.log_q[worker] += self.log_idle[m]
-        self._refresh(worker)
+        self._changes[worker] += 1
+        self._dirty.add(worker)
 
     def on_finish(self, worker: int, key: Any) -> None:
         rec = self.where.pop(key, None)
@@ -150,18 +168,44 @@ class EldrLivePolicy(Policy):
 
     def _remove(self, worker: int, m: int, tok: int) -> None:
         self.counts[worker, m] -= 1
+        self._n_live[worker] -= 1
         self.tokens[worker] -= tok
         self.log_q[worker] -= self.log_idle[m]
-        self._refresh(worker)
+        self._changes[worker] += 1
+        self._dirty.add(worker)
 
-    def _refresh(self, d: int) -> None:
-        if not self.counts[d].any() and not self.remote[d].any():
-            self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
-        # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing measurable lost
-        np.exp(np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch), out=self.q[d])
-        self.active[d] = float(self.q.shape[1] - self.q[d].sum(dtype=np.float64))
+    def _refresh(self) -> None:
+        """q_d and A_d of the decoders whose live set changed since the last pick (lazily: a dispatch and a
+        finish on one decoder between two decisions cost one refresh)."""
+        m0, kb, kv = self.terms[3], self.terms[1], self.terms[4]
+        for d in self._dirty:
+            self.ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
+            if not self._n_live[d]:
+                self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
+                self.q[d] = 1.0
+                self.active[d] = 0.0
+            else:
+                # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
+                if self._changes[d] >= RECOUNT_EVERY:
+                    self._changes[d] = 0
+                    n = (self.counts[d] + self.remote[d]).astype(np.float64)
+                    np.dot(n, self.log_idle, out=self._recount)
+                    self.log_q[d] = self._recount
+                np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
+                np.exp(self._scratch, out=self.q[d])
+                self.active[d] = self.q.shape[1] - float(self.q[d].sum())
+            self.mem[d] = m0 + kb * self.active[d] + kv * self.ctx[d]
+        self._dirty.clear()
+
+    def idle_probabilities(self) -> np.ndarray:
+        """q [K, L*E], up to date (tests, inspection)."""
+        if self._dirty:
+            self._refresh()
+        return self.q
 
     def is_empty(self) -> bool:
+        if self._dirty:
+            self._refresh()
         return not self.where and not self.counts.any() and not self.tokens.any() and not self.log_q.any()
 
     # -- replicas: integer vectors that sum ------------------------------------------------------------
@@ -178,5 +222,10 @@ class EldrLivePolicy(Policy):
         if nz.size:
             self.log_q[worker] += delta[nz] @ self.log_idle[nz]
             self.remote[worker] = new
-            self._refresh(worker)
-        self.remote_tokens[worker] = int(vector[M1]) if vector and len(vector) == M1 + 1 else 0
+            self._n_live[worker] += int(delta[nz].sum())
+            self._changes[worker] += 1
+            self._dirty.add(worker)
+        tok = int(vector[M1]) if vector and len(vector) == M1 + 1 else 0
+        if tok != self.remote_tokens[worker]:
+            self.remote_tokens[worker] = tok
+            self._dirty.add(worker)
