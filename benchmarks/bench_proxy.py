@@ -356,6 +356,7 @@ def _parse_args():
     ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--main-duration", type=float, default=15.0)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the 50 and 200 req/s rows")
     ap.add_argument("--sweep-duration", type=float, default=6.0)
     ap.add_argument("--sweep", default="300,500,700,1000,1400,2000")
     ap.add_argument("--soak-n", type=int, default=10000)
@@ -451,27 +452,43 @@ class Rig:
 
 def _measure(rig: Rig, rate, duration, rounds=3):
     """Phases interleaved in `rounds` rounds (direct, eldr, peers, direct, ...) so that drift in the
-    machine's other load hits every row alike; latencies pooled per row."""
+    machine's other load hits every row alike; latencies pooled per row. Our proxies' order alternates
+    between rounds, and each round's added p50 per row is kept (``rounds_added_p50_ms``) for paired
+    comparisons."""
     routers = rig.routers()
     direct_kw = {"prefill": rig.pre[0], "decode": rig.dec[0]}
     pooled = {"direct": None, **{name: None for name, _, _ in routers}}
     cpu = {name: [0.0, 0] for name, _, _ in routers}
-    for _ in range(rounds):
+    per_round: dict = {name: [] for name, _, _ in routers}
+    for r in range(rounds):
         res = _run_loadgen(rig.tmp, "direct", rate, duration / rounds, **direct_kw)
+        base_p50 = _pct(res["lat_s"], 50)
         pooled["direct"] = _merge(pooled["direct"], res)
-        for name, proc, url in routers:
+        for name, proc, url in (routers if r % 2 == 0 else routers[::-1]):
             c0 = _cpu_s(proc.pid)
             res = _run_loadgen(rig.tmp, "proxy", rate, duration / rounds, url=url)
             cpu[name][0] += _cpu_s(proc.pid) - c0
             cpu[name][1] += res["ok"] + res["errors"] + 64  # + the warm-up requests
             pooled[name] = _merge(pooled[name], res)
+            per_round[name].append(_pct(res["lat_s"], 50) - base_p50)
     base = pooled["direct"]
     rows = {"direct": _row(base, None)}
     for name, _, _ in routers:
         rows[name] = _row(pooled[name], base)
         # router CPU per request: less sensitive to other load on the machine than latency
         rows[name]["cpu_us_per_request"] = cpu[name][0] / max(1, cpu[name][1]) * 1e6
+        rows[name]["rounds_added_p50_ms"] = per_round[name]
     return rows
+
+
+def _paired(a: list[float], b: list[float]) -> dict:
+    """Mean of the per-round differences a - b with a 95% t-interval (rounds are the pairs)."""
+    from scipy import stats
+
+    d = np.asarray(a) - np.asarray(b)
+    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return {"mean_ms": float(d.mean()), "ci95_ms": [float(d.mean()) - half, float(d.mean()) + half],
+            "rounds": len(d)}
 
 
 def _rate_sweep(rig: Rig, rates, duration, console):
@@ -601,6 +618,9 @@ def _summary(result):
                 live["added_p50_ms"] / eldr["added_p50_ms"] if eldr["added_p50_ms"] > 0 else None)
             summary[f"ratio_cpu_eldr_live_over_eldr_at_{rate}"] = (live["cpu_us_per_request"]
                                                                     / eldr["cpu_us_per_request"])
+            p = _paired(live["rounds_added_p50_ms"], eldr["rounds_added_p50_ms"])
+            summary[f"eldr_live_minus_eldr_added_p50_ms_at_{rate}"] = p["mean_ms"]
+            summary[f"eldr_live_minus_eldr_added_p50_ci95_ms_at_{rate}"] = [round(x, 3) for x in p["ci95_ms"]]
         summary["eldr_live_max_rate"] = best.get("eldr-live")
     if "vllm-router" in r200:
         summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
@@ -662,8 +682,8 @@ def main():
         if not args.skip_peer:
             rig.start_peers()
         # a light load first (little queueing: closest to the per-request path cost), then 200 req/s
-        result["latency_50rps"] = _measure(rig, 50, args.main_duration)
-        result["latency_200rps"] = _measure(rig, 200, args.main_duration)
+        result["latency_50rps"] = _measure(rig, 50, args.main_duration, args.rounds)
+        result["latency_200rps"] = _measure(rig, 200, args.main_duration, args.rounds)
         rates = [float(x) for x in args.sweep.split(",")]
         result["sweep"], result["max_rate_p99_added_below_50ms"] = _rate_sweep(rig, rates, args.sweep_duration,
                                                                                  console)

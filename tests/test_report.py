@@ -54,10 +54,10 @@ def test_report_json_has_the_keys_tools_read(report):
         assert set(c) == {"mean", "ci95"} and len(c["ci95"]) == 2 and c["ci95"][0] <= c["mean"] <= c["ci95"][1]
     balancers = {"round-robin", "random", "jsq", "p2c"}
     assert set(v["capacity_gain_vs_best_lb_pct"]) == set(routers) - balancers  # eldr, eldr-live, the oracle
-    assert len(v["by_load"]) == 4 * len(routers)
+    assert len(v["by_load"]) == 5 * len(routers)  # 10, 25, 50, 75 and 100% of the best balancer's capacity
     for row in v["by_load"]:
         assert {"load_pct", "router", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms"} <= set(row)
-        assert row["load_pct"] in (25, 50, 75, 100) and set(row["tpot_p50_ms"]) == {"mean", "ci95"}
+        assert row["load_pct"] in (10, 25, 50, 75, 100) and set(row["tpot_p50_ms"]) == {"mean", "ci95"}
     assert set(v["deployment"]) == {"gpus_per_instance", "tp", "ep", "dtype", "kv_capacity_tokens"}
     assert set(LEGACY) <= set(v) and v["legacy_keys_load_pct"] == 75
     best = v["best_load_balancer"]

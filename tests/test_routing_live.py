@@ -117,6 +117,33 @@ def test_replicas_vectors_sum_to_a_single_router():
     assert a.is_empty() and b.is_empty()
 
 
+def test_live_set_stays_exact_over_a_long_run_and_a_recount():
+    """log q is float32 and updated by adding and subtracting: after many arrivals and departures (more than
+    RECOUNT_EVERY on a decoder) q still equals its value computed afresh from the counts."""
+    from eldr_cli.routing.live import RECOUNT_EVERY
+
+    rng = np.random.default_rng(1)
+    M1, K = 5, 2
+    act = rng.uniform(0, 0.9, size=(M1, L, E)).astype(np.float32)
+    pol = make_router("eldr-live", K, model=_model(rng.random((M1 - 1, L * E)), act)).policy
+    live: list = []
+    for i in range(2 * RECOUNT_EVERY + 3000):  # > RECOUNT_EVERY changes on each decoder
+        if len(live) < 24 or rng.random() < 0.5:
+            w = int(rng.integers(K))
+            pol.pick([0] * K, None, tokens=3)
+            pol.on_dispatch(w, i, pol.last._replace(prototype=int(rng.integers(M1))))
+            live.append((w, i))
+        else:
+            w, k = live.pop(int(rng.integers(len(live))))
+            pol.on_finish(w, k)
+    exact = np.exp(np.maximum(pol.counts @ np.log1p(-act.reshape(M1, -1).astype(np.float64)), -60.0))
+    np.testing.assert_allclose(pol.idle_probabilities(), exact, rtol=2e-4)
+    np.testing.assert_allclose(pol.active, (1 - exact).sum(axis=1), rtol=1e-4)
+    for w, k in live:
+        pol.on_finish(w, k)
+    assert pol.is_empty() and (pol.idle_probabilities() == 1).all() and not pol.active.any()
+
+
 def test_artifact_without_the_live_model_is_refused_by_name():
     m = RoutingModel("count", np.ones((L, E)), np.arange(L), np.eye(4, L * E))
     with pytest.raises(EldrError, match="eldr fit"):

@@ -22,7 +22,7 @@ from eldr_cli.pipeline.capacity import LOAD_BALANCERS, SLO, Capacity, find_capac
 if TYPE_CHECKING:
     from eldr_cli.bench.replay import TraceReplay
 
-LOAD_POINTS_PCT = (25, 50, 75, 100)
+LOAD_POINTS_PCT = (10, 25, 50, 75, 100)  # % of the best load balancer's capacity
 MIN_REQUESTS = 300
 MAX_REQUESTS = 2000
 MIN_WARMUP_REQUESTS = 100

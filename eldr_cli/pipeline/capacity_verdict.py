@@ -192,7 +192,7 @@ def tpot_figure(path: Path, v: dict) -> Path | None:
         ax.axhline(v["slo"]["tpot_p90_ms"], color="grey", ls="--", lw=1, label="TPOT p90 target")
         ax.set_title(f"{title} (ms) vs load")
         ax.set_xlabel(f"load, % of {v['best_load_balancer']}'s capacity")
-        ax.set_xticks([25, 50, 75, 100])
+        ax.set_xticks(sorted({x["load_pct"] for x in rows}))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("ms per output token")
     handles, labels = axes[0].get_legend_handles_labels()

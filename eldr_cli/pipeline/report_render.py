@@ -167,7 +167,7 @@ def _load_intro(v: dict) -> str:
         return ("No load points: " + ("no router has a capacity at this SLO." if v["status"] == "none" else
                                       "the capacities are lower bounds (every router met the SLO at the highest "
                                       "rate tried)."))
-    return (f"Every router at 25, 50, 75 and 100% of {v['best_load_balancer']}'s capacity; lines are means over "
+    return (f"Every router at 10, 25, 50, 75 and 100% of {v['best_load_balancer']}'s capacity; lines are means over "
             "seeds, bands their 95% intervals.")
 
 

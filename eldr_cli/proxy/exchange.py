@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
-from eldr_cli.proxy.base import AppParts
+from eldr_cli.proxy.base import AppParts, settle_when_idle
+from eldr_cli.proxy.decisionlog import decision_row
 from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
@@ -242,6 +243,7 @@ class ExchangeMixin(AppParts):
             tried.add(dw.id)
             ctx.decode = dw.id
             router.on_dispatch(choice, ctx.rid)
+            settle_when_idle(router)
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except ConnectFailed as e:
@@ -255,6 +257,7 @@ class ExchangeMixin(AppParts):
                 m.child(m.retries, "decode").inc()
             finally:
                 router.on_finish(idx, ctx.rid)
+                settle_when_idle(router)
             choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
                                    healthy=up, tokens=tokens)
 
@@ -291,14 +294,8 @@ class ExchangeMixin(AppParts):
         wid = st.decode.workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
         if self.decision_log is not None:
-            self.decision_log.write({
-                "ts": time.time(), "request_id": ctx.rid, "policy": pname, "tau": st.tau_effective(),
-                "signature": sig_state,
-                "similarities": None if d.similarities is None else d.similarities.tolist(),
-                "band": None if d.band is None else d.band.tolist(),
-                "predicted_ms": None if d.predicted_ms is None else [round(float(x), 4) for x in d.predicted_ms],
-                "loads": [int(x) for x in loads], "chosen": d.worker, "worker": wid,
-                "domain": ctx.domain, "decision_us": round(dt * 1e6, 2)})
+            self.decision_log.write(decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid,
+                                                 ctx.domain, dt))
         return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
@@ -397,3 +394,4 @@ class ExchangeMixin(AppParts):
             self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end
+

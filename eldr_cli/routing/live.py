@@ -157,9 +157,7 @@ class EldrLivePolicy(Policy):
         self.counts[worker, m] += 1
         self._n_live[worker] += 1
         self.tokens[worker] += tok
-        self.log_q[worker] += self.log_idle[m]
-        self._changes[worker] += 1
-        self._dirty.add(worker)
+        self._changed(worker, self.log_idle[m])
 
     def on_finish(self, worker: int, key: Any) -> None:
         rec = self.where.pop(key, None)
@@ -170,9 +168,16 @@ class EldrLivePolicy(Policy):
         self.counts[worker, m] -= 1
         self._n_live[worker] -= 1
         self.tokens[worker] -= tok
-        self.log_q[worker] -= self.log_idle[m]
-        self._changes[worker] += 1
-        self._dirty.add(worker)
+        self._changed(worker, -self.log_idle[m])
+
+    def _changed(self, d: int, log_delta: np.ndarray) -> None:
+        """Decoder d's live set changed by ``log_delta`` in log q; q and A follow at the next pick or settle."""
+        if self._n_live[d]:
+            self.log_q[d] += log_delta
+        else:
+            self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
+        self._changes[d] += 1
+        self._dirty.add(d)
 
     def _refresh(self) -> None:
         """q_d and A_d of the decoders whose live set changed since the last pick (lazily: a dispatch and a
@@ -181,7 +186,6 @@ class EldrLivePolicy(Policy):
         for d in self._dirty:
             self.ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
             if not self._n_live[d]:
-                self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
                 self.q[d] = 1.0
                 self.active[d] = 0.0
             else:
@@ -197,6 +201,10 @@ class EldrLivePolicy(Policy):
             self.mem[d] = m0 + kb * self.active[d] + kv * self.ctx[d]
         self._dirty.clear()
 
+    def settle(self) -> None:
+        if self._dirty:
+            self._refresh()
+
     def idle_probabilities(self) -> np.ndarray:
         """q [K, L*E], up to date (tests, inspection)."""
         if self._dirty:
@@ -204,9 +212,9 @@ class EldrLivePolicy(Policy):
         return self.q
 
     def is_empty(self) -> bool:
-        if self._dirty:
-            self._refresh()
-        return not self.where and not self.counts.any() and not self.tokens.any() and not self.log_q.any()
+        """No request anywhere in the live set (reads only: safe to call from another thread)."""
+        return not (self.where or self.counts.any() or self.remote.any() or self.tokens.any()
+                    or self.remote_tokens.any() or self.log_q.any())
 
     # -- replicas: integer vectors that sum ------------------------------------------------------------
     def local_vector(self, worker: int) -> list[int]:
@@ -220,11 +228,9 @@ class EldrLivePolicy(Policy):
         delta = new - self.remote[worker]
         nz = np.flatnonzero(delta)
         if nz.size:
-            self.log_q[worker] += delta[nz] @ self.log_idle[nz]
             self.remote[worker] = new
             self._n_live[worker] += int(delta[nz].sum())
-            self._changes[worker] += 1
-            self._dirty.add(worker)
+            self._changed(worker, delta[nz] @ self.log_idle[nz])
         tok = int(vector[M1]) if vector and len(vector) == M1 + 1 else 0
         if tok != self.remote_tokens[worker]:
             self.remote_tokens[worker] = tok
