@@ -4,7 +4,6 @@ exchange, admin and health mixins use (declared here so each module type-checks 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -115,9 +114,3 @@ class AppParts:
     async def _close_when_drained(self, w: Worker) -> None:
         raise NotImplementedError
 
-
-def settle_when_idle(router: DecodeRouter) -> None:
-    """A stateful router's derived state is brought up to date on the event loop's next turn, when the
-    decode request is on its way, instead of inside the next request's decision (same decisions)."""
-    if router.stateful:
-        asyncio.get_running_loop().call_soon(router.settle)

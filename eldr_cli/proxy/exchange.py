@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
-from eldr_cli.proxy.base import AppParts, settle_when_idle
+from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.decisionlog import decision_row
 from eldr_cli.proxy.http import (
     JSON_HEADER,
@@ -243,7 +243,6 @@ class ExchangeMixin(AppParts):
             tried.add(dw.id)
             ctx.decode = dw.id
             router.on_dispatch(choice, ctx.rid)
-            settle_when_idle(router)
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except ConnectFailed as e:
@@ -257,7 +256,6 @@ class ExchangeMixin(AppParts):
                 m.child(m.retries, "decode").inc()
             finally:
                 router.on_finish(idx, ctx.rid)
-                settle_when_idle(router)
             choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
                                    healthy=up, tokens=tokens)
 

@@ -157,7 +157,7 @@ class EldrLivePolicy(Policy):
         self.counts[worker, m] += 1
         self._n_live[worker] += 1
         self.tokens[worker] += tok
-        self._changed(worker, self.log_idle[m])
+        self._changed(worker, self.log_idle[m], 1)
 
     def on_finish(self, worker: int, key: Any) -> None:
         rec = self.where.pop(key, None)
@@ -168,12 +168,13 @@ class EldrLivePolicy(Policy):
         self.counts[worker, m] -= 1
         self._n_live[worker] -= 1
         self.tokens[worker] -= tok
-        self._changed(worker, -self.log_idle[m])
+        self._changed(worker, self.log_idle[m], -1)
 
-    def _changed(self, d: int, log_delta: np.ndarray) -> None:
-        """Decoder d's live set changed by ``log_delta`` in log q; q and A follow at the next pick or settle."""
+    def _changed(self, d: int, log_delta: np.ndarray, sign: int) -> None:
+        """Decoder d's log q changed by ``sign * log_delta`` (in place); q and A follow at the next pick."""
         if self._n_live[d]:
-            self.log_q[d] += log_delta
+            row = self.log_q[d]
+            (np.add if sign > 0 else np.subtract)(row, log_delta, out=row)
         else:
             self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
         self._changes[d] += 1
@@ -201,10 +202,6 @@ class EldrLivePolicy(Policy):
             self.mem[d] = m0 + kb * self.active[d] + kv * self.ctx[d]
         self._dirty.clear()
 
-    def settle(self) -> None:
-        if self._dirty:
-            self._refresh()
-
     def idle_probabilities(self) -> np.ndarray:
         """q [K, L*E], up to date (tests, inspection)."""
         if self._dirty:
@@ -230,7 +227,7 @@ class EldrLivePolicy(Policy):
         if nz.size:
             self.remote[worker] = new
             self._n_live[worker] += int(delta[nz].sum())
-            self._changed(worker, delta[nz] @ self.log_idle[nz])
+            self._changed(worker, (delta[nz] @ self.log_idle[nz]).astype(np.float32), 1)
         tok = int(vector[M1]) if vector and len(vector) == M1 + 1 else 0
         if tok != self.remote_tokens[worker]:
             self.remote_tokens[worker] = tok

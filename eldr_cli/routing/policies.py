@@ -74,10 +74,6 @@ class Policy:
     def on_finish(self, worker: int, key: Any) -> None:
         """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
 
-    def settle(self) -> None:
-        """Bring derived state up to date now (a caller with idle time, like the proxy between requests,
-        takes the work off the next decision); :meth:`pick` does it anyway when it is due."""
-
 
 class RoundRobin(Policy):
     name = "round-robin"

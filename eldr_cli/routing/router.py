@@ -120,12 +120,6 @@ class DecodeRouter:
     def on_finish(self, worker: int, key: Any) -> None:
         self._policy.on_finish(worker, key)
 
-    def settle(self) -> None:
-        """Update what the next decision would otherwise compute first (eldr-live's idle probabilities of the
-        decoders whose live set changed); the proxy calls it when its event loop is idle. Decisions do not
-        depend on whether it was called."""
-        self._policy.settle()
-
     def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
         if self._signature_of is None:
             return None, "unused"
