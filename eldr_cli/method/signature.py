@@ -39,11 +39,14 @@ def l2_normalize(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return np.divide(x, n, out=np.zeros_like(x, dtype=np.float64), where=n > 0)
 
 
-def signatures(counts: np.ndarray, transform: str, weights: np.ndarray | None, mask) -> np.ndarray:
-    """Eq. 2 for a batch: counts [R, L, E] -> unit signatures [R, |mask| * E]."""
+def signatures(counts: np.ndarray, transform: str, weights: np.ndarray | None, mask, *,
+               unit: bool = True) -> np.ndarray:
+    """Eq. 2 for a batch: counts [R, L, E] -> unit signatures [R, |mask| * E]. ``unit=False`` stops before
+    the normalization (the same directions, for a caller that only ranks dot products with one signature)."""
     x = apply_transform(np.asarray(counts)[:, mask, :], transform,
                         None if weights is None else np.asarray(weights)[mask])
-    return l2_normalize(x.reshape(x.shape[0], -1))
+    x = x.reshape(x.shape[0], -1)
+    return l2_normalize(x) if unit else x
 
 
 def decode_pattern(decode_counts: np.ndarray, decode_steps: np.ndarray) -> np.ndarray:

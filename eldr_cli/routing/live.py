@@ -71,6 +71,7 @@ def step_form(cost, n_layers: int) -> tuple[float, ...]:
 class EldrLivePolicy(Policy):
     name = "eldr-live"
     needs_signature = True
+    unit_signature = False  # only the nearest prototype (argmax of dot products) is needed
 
     def __init__(self, n_workers: int, model: RoutingModel | None = None, cost=None, **_: Any):
         if model is None:

@@ -60,12 +60,13 @@ class RoutingModel:
         return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
                    tau=p["tau"], domain_share=p.get("domain_share"), live=live)
 
-    def signature(self, counts: np.ndarray) -> np.ndarray:
+    def signature(self, counts: np.ndarray, unit: bool = True) -> np.ndarray:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
-        :func:`eldr_cli.method.signature.signatures`, so fit and serving cannot disagree."""
+        :func:`eldr_cli.method.signature.signatures`, so fit and serving cannot disagree (``unit=False``:
+        not normalized, the same direction)."""
         from eldr_cli.method.signature import signatures
 
         c = np.asarray(counts)
         if c.shape != self.weights.shape:
             raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
-        return signatures(c[None], self.transform, self.weights, self.mask)[0]
+        return signatures(c[None], self.transform, self.weights, self.mask, unit=unit)[0]

@@ -58,6 +58,7 @@ class Policy:
 
     name = "policy"
     needs_signature = False
+    unit_signature = True  # False: the policy only ranks dot products with the signature (scale-free)
 
     def __init__(self, n_workers: int, **_: Any) -> None:
         """Every policy is built from the worker count and the factory's keywords (each takes what it needs)."""

@@ -11,6 +11,7 @@ policy's live set) lives inside and is reset only by building a new router.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -172,5 +173,7 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
         domain_share = model.domain_share
     policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
                                   cost=cost)
-    sig = _cached(model.signature) if policy.needs_signature and model is not None else None
+    sig = None
+    if policy.needs_signature and model is not None:
+        sig = _cached(model.signature if policy.unit_signature else functools.partial(model.signature, unit=False))
     return DecodeRouter(policy, n_workers, model, sig)
