@@ -10,7 +10,8 @@
 3. ``herd``: bursts of arrivals (all requests of a burst at once, streamed slowly so they stay in
    flight) through one proxy vs ``--workers 4`` (4 processes on one port, private redis-server); the
    largest spread of requests running AT THE DECODERS (max - min of the stubs' own counts, sampled
-   every 20 ms). EMULATED: stub decoders, no model.
+   every 20 ms). EMULATED: stub decoders, no model. ``--herd-policy eldr-live`` runs it with eldr-live
+   (a routing artifact of the stubs' shape is fitted first).
 
 Prints tables, writes bench-results/state.json. Usage: ``python benchmarks/bench_state.py [--parts sign,cpu,herd]``.
 """
@@ -198,12 +199,21 @@ def bench_herd(tmp: Path, args) -> dict:
     pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
     stubs = br._stubs(tmp, ports, "--token-delay-s", "0.05")
     out: dict = {"burst_size": args.burst_size, "bursts": args.bursts, "gap_s": args.burst_gap_s,
-                 "max_tokens": 20, "policy": "jsq", "note": "EMULATED: stub decoders"}
+                 "max_tokens": 20, "policy": args.herd_policy, "note": "EMULATED: stub decoders"}
+    policy = ["--policy", args.herd_policy]
+    if args.herd_policy != "jsq":  # a routing artifact of the stubs' shape, one cluster per decoder
+        from eldr_cli.artifacts.trace import write_trace
+        from eldr_cli.pipeline.fit import run_fit
+        from eldr_cli.synth import synthetic_trace
+
+        write_trace(tmp / "herd-trace", synthetic_trace(300, bp.SHAPE[0], bp.SHAPE[1], 8, seed=0))
+        policy += ["--routing", str(run_fit(tmp / "herd-trace", tmp / "herd-fit", decoders=len(dec), pairs=2000,
+                                            figures=False))]
     try:
         for _ in range(args.herd_rounds):
             for name, extra in HERD_VARIANTS:
                 port = free_port()
-                p = br._proxy(tmp, f"herd{len(out)}", pre, dec, port, "--policy", "jsq", *extra)
+                p = br._proxy(tmp, f"herd{len(out)}", pre, dec, port, *policy, *extra)
                 time.sleep(1.0)  # the workers find each other
                 stop, spreads = threading.Event(), []
                 th = threading.Thread(target=br._sample_spread, args=(dec, stop, spreads))
@@ -275,6 +285,7 @@ def main():
     ap.add_argument("--burst-size", type=int, default=16)
     ap.add_argument("--burst-gap-s", type=float, default=0.5)
     ap.add_argument("--herd-rounds", type=int, default=2)
+    ap.add_argument("--herd-policy", default="jsq", help="the proxies' policy in the herd part (jsq, eldr, eldr-live)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="bench-state-"))
