@@ -4,13 +4,15 @@ Replicas that read the same stale loads pick the same "least loaded" decoder: wi
 one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
 (``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
 round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
-replicas and to reserve it; the slot is released when the decode leg ends. If Redis has not answered
-within the deadline (``--state-reserve-ms``, default 50), the local decision stands, and the late
-answer's slot is moved to the worker actually used (so the counts in Redis stay complete).
+replicas and to reserve it (a policy with a preference order, eldr-live, passes its candidates in that
+order and a slack: the first whose slots are within the slack of the least); the slot is released when
+the decode leg ends. If Redis has not answered within the deadline (``--state-reserve-ms``, default
+50), the local decision stands, and the late answer's slot is moved to the worker actually used (so the
+counts in Redis stay complete).
 
 The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
 only choose *among* candidates the replica picked from signed data: the policy's band (ELDR: the locality
-band; eldr-live: the decoders within 3% of the least predicted cost) or the healthy pool (JSQ), narrowed
+band; eldr-live: the decoders within its load cap, by predicted cost) or the healthy pool (JSQ), narrowed
 to the workers whose signed load is within ``SLACK`` of the least loaded.
 Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
 heartbeat key has expired are removed by the others (a crash does not leak slots for long).
@@ -44,13 +46,18 @@ for i = 1, #h, 2 do
     load[w] = (load[w] or 0) + (tonumber(h[i + 1]) or 0)
   end
 end
-local best, bestn = 2, nil
-for i = 2, #ARGV do
+local slack = tonumber(ARGV[2]) or 0
+local least = nil
+for i = 3, #ARGV do
   local n = load[ARGV[i]] or 0
-  if bestn == nil or n < bestn then best, bestn = i, n end
+  if least == nil or n < least then least = n end
+end
+local best = 3
+for i = 3, #ARGV do
+  if (load[ARGV[i]] or 0) <= least + slack then best = i break end
 end
 redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|' .. ARGV[best], 1)
-return best - 2
+return best - 3
 """
 _RELEASE = """
 local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
@@ -97,11 +104,13 @@ class Reserver:
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self._bg: set[asyncio.Task[Any]] = set()
 
-    async def choose(self, cands: Sequence[str]) -> tuple[int | None, asyncio.Task[Any] | None]:
-        """(index into ``cands`` of the reserved worker, None) in time; (None, the pending reservation)
-        when Redis is late (hand it to :meth:`late_slot` with the worker used instead); (None, None) on
-        errors."""
-        task = asyncio.get_running_loop().create_task(self._select(keys=[self.key], args=[self.replica_id, *cands]))
+    async def choose(self, cands: Sequence[str], slack: int = 0) -> tuple[int | None, asyncio.Task[Any] | None]:
+        """(index into ``cands`` of the reserved worker, None) in time: the first candidate whose slots over
+        all replicas are within ``slack`` of the least (0: the least reserved, ties in order); (None, the
+        pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
+        (None, None) on errors."""
+        task = asyncio.get_running_loop().create_task(
+            self._select(keys=[self.key], args=[self.replica_id, slack, *cands]))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
@@ -181,7 +190,7 @@ async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision,
     least = min(loads[k] for k in band)
     cands = [workers[k] for k in band if loads[k] <= least + SLACK]
     keys = [f"{w.role}|{w.url}" for w in cands]
-    i, late = await rv.choose(keys)
+    i, late = await rv.choose(keys, int(getattr(choice.detail, "slack", 0)))
     cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
         return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])

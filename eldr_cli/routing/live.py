@@ -41,7 +41,6 @@ from eldr_cli.routing.policies import Policy
 # (a + 128 b) / (a + 16 b) = 4.7  ->  a = 14.27 b. A relative shape, not a time: decisions only compare.
 DEFAULT_STEP_TERMS_PER_LAYER = (14.27, 1.0, 0.01)  # (per layer, per active expert, per request per layer)
 LOG_Q_FLOOR = -60.0
-NEAR_BEST = 0.03  # the band: predicted costs within 3% of the least, as good within the prediction's precision
 RECOUNT_EVERY = 4096  # changes of a decoder's live set between exact recounts of its log q
 COST_TIE = 0.03          # costs within 3% are ties ...
 LOW_LOAD_MEAN = 4.0      # ... while decoders run fewer than this many requests on average
@@ -53,7 +52,10 @@ class LiveChoice(NamedTuple):
     predicted_ms: np.ndarray  # [K] cost_d (ms, or relative units without a cost model)
     prototype: int
     tokens: int
-    band: np.ndarray | None = None  # decoders within NEAR_BEST of the least cost (replicas reserve among them)
+    # the decoders within the load cap, the choice first, then by predicted cost: replicas reserve the first whose
+    # load over all replicas is within ``slack`` of the least (eldr_cli.proxy.reserve)
+    band: np.ndarray | None = None
+    slack: int = 0
 
 
 def step_form(cost, n_layers: int) -> tuple[float, ...]:
@@ -132,7 +134,8 @@ class EldrLivePolicy(Policy):
         T1 = base + kt + mem1
         cost = T1 + B * (T1 - T)
         lo = min(ld)
-        cap = lo + max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
+        slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
+        cap = lo + slack
         cl = cost.tolist()
         seq = self.last_dispatch
         cand = [k for k in range(len(ld)) if ld[k] <= cap]
@@ -142,8 +145,8 @@ class EldrLivePolicy(Policy):
         least = min(cl[k] for k in cand)
         best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        near = least * (1 + NEAR_BEST)
-        self.last = LiveChoice(cost, m, c_new, np.array([k for k in cand if cl[k] <= near]))
+        order = [w, *sorted((k for k in cand if k != w), key=cl.__getitem__)]
+        self.last = LiveChoice(cost, m, c_new, np.array(order), slack)
         return w
 
     # -- the live set ---------------------------------------------------------------------------------
