@@ -52,8 +52,8 @@ class LiveChoice(NamedTuple):
     predicted_ms: np.ndarray  # [K] cost_d (ms, or relative units without a cost model)
     prototype: int
     tokens: int
-    # the decoders within the load cap, the choice first, then by predicted cost: replicas reserve the first whose
-    # load over all replicas is within ``slack`` of the least (eldr_cli.proxy.reserve)
+    # every decoder, the choice first, then those within the load cap, then the rest, each by predicted cost:
+    # replicas reserve the first whose load over all replicas is within ``slack`` of the least (proxy.reserve)
     band: np.ndarray | None = None
     slack: int = 0
 
@@ -145,7 +145,9 @@ class EldrLivePolicy(Policy):
         least = min(cl[k] for k in cand)
         best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        order = [w, *sorted((k for k in cand if k != w), key=cl.__getitem__)]
+        # replicas: Redis enforces the cap on exact counts over all replicas (this view of the others is stale),
+        # so every decoder is a candidate: the choice, the others within the cap, then the rest, by cost
+        order = [w, *sorted((k for k in range(len(ld)) if k != w), key=lambda k: (ld[k] > cap, cl[k]))]
         self.last = LiveChoice(cost, m, c_new, np.array(order), slack)
         return w
 
