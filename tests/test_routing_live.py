@@ -117,6 +117,15 @@ def test_replicas_vectors_sum_to_a_single_router():
     assert a.is_empty() and b.is_empty()
 
 
+def test_preference_order_for_the_replicas_reservation():
+    """The choice first, then the decoders within the load cap by predicted cost, then the rest by cost."""
+    from eldr_cli.routing.live import LiveChoice, preference_order
+
+    detail = LiveChoice(np.array([3.0, 1.0, 0.5, 2.0, 0.1]), 0, 0, slack=2)
+    assert preference_order(2, detail, [0, 1, 2, 3, 9]) == [2, 1, 0, 4, 3]  # cap 0 + 2: 3 and 4 are over
+    assert preference_order(4, detail, [0, 1, 2, 3, 9]) == [4, 2, 1, 0, 3]
+
+
 def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     """log q is float32 and updated by adding and subtracting: after many arrivals and departures (more than
     RECOUNT_EVERY on a decoder) q still equals its value computed afresh from the counts."""

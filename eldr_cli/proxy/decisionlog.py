@@ -1,10 +1,10 @@
 """Optional decision log for offline replay: one row per decode routing decision.
 
 Row: ts (unix s), request_id, policy, tau, signature ("ok"|"missing"|"malformed"), similarities [K]
-(eldr only), band [worker positions] (eldr: the locality band; eldr-live: within 3% of the least
-predicted cost), predicted_ms [K] (eldr-live), loads [K] as seen by the policy, chosen (position), worker
-(id), domain, decision_us. ``.jsonl`` files are appended line by line; ``.parquet`` paths get numbered part files
-``<stem>-00000.parquet`` every ``rows_per_part`` rows and at shutdown.
+(eldr only), band [worker positions] (eldr's locality band), predicted_ms [K] (eldr-live), loads [K] as
+seen by the policy, chosen (position), worker (id), domain, decision_us. ``.jsonl`` files are appended
+line by line; ``.parquet`` paths get numbered part files ``<stem>-00000.parquet`` every ``rows_per_part``
+rows and at shutdown.
 """
 
 from __future__ import annotations

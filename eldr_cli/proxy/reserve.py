@@ -12,7 +12,7 @@ counts in Redis stay complete).
 
 The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
 only choose *among* candidates the replica picked from signed data: the policy's band (ELDR: the locality
-band; eldr-live: the decoders within its load cap, by predicted cost) or the healthy pool (JSQ), narrowed
+band; eldr-live: every decoder in its order of preference) or the healthy pool (JSQ), narrowed
 to the workers whose signed load is within ``SLACK`` of the least loaded.
 Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
 heartbeat key has expired are removed by the others (a crash does not leak slots for long).
@@ -26,6 +26,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from eldr_cli.routing.live import LiveChoice, preference_order
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
@@ -183,7 +185,10 @@ async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision,
         return choice, None
     workers = state.decode.workers
     loads = state.decode.loads(state.cfg.scrape_metrics)
-    band = [int(k) for k in choice.band] if choice.band is not None else range(len(workers))
+    if isinstance(choice.detail, LiveChoice):
+        band: Sequence[int] = preference_order(choice.worker, choice.detail, loads)
+    else:
+        band = [int(k) for k in choice.band] if choice.band is not None else range(len(workers))
     band = [k for k in band if workers[k].healthy]
     if not band:
         return choice, None

@@ -52,10 +52,17 @@ class LiveChoice(NamedTuple):
     predicted_ms: np.ndarray  # [K] cost_d (ms, or relative units without a cost model)
     prototype: int
     tokens: int
-    # every decoder, the choice first, then those within the load cap, then the rest, each by predicted cost:
-    # replicas reserve the first whose load over all replicas is within ``slack`` of the least (proxy.reserve)
-    band: np.ndarray | None = None
-    slack: int = 0
+    slack: int = 0  # the load cap over the least loaded (replicas: see preference_order)
+
+
+def preference_order(choice: int, detail: LiveChoice, loads) -> list[int]:
+    """Every decoder in eldr-live's order of preference for the replicas' reservation (proxy.reserve): its
+    choice, then the others within the load cap, then the rest, each by predicted cost. Redis reserves the
+    first whose slots over all replicas are within ``detail.slack`` of the least, so the cap is enforced on
+    exact counts rather than on this replica's stale view of the others. Built only when a replica asks."""
+    cost = detail.predicted_ms.tolist()
+    cap = min(loads) + detail.slack
+    return [choice, *sorted((k for k in range(len(cost)) if k != choice), key=lambda k: (loads[k] > cap, cost[k]))]
 
 
 def step_form(cost, n_layers: int) -> tuple[float, ...]:
@@ -145,10 +152,7 @@ class EldrLivePolicy(Policy):
         least = min(cl[k] for k in cand)
         best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        # replicas: Redis enforces the cap on exact counts over all replicas (this view of the others is stale),
-        # so every decoder is a candidate: the choice, the others within the cap, then the rest, by cost
-        order = [w, *sorted((k for k in range(len(ld)) if k != w), key=lambda k: (ld[k] > cap, cl[k]))]
-        self.last = LiveChoice(cost, m, c_new, np.array(order), slack)
+        self.last = LiveChoice(cost, m, c_new, slack)
         return w
 
     # -- the live set ---------------------------------------------------------------------------------
