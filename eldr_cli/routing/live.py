@@ -200,12 +200,12 @@ class EldrLivePolicy(Policy):
                 self.q[d] = 1.0
                 self.active[d] = 0.0
             else:
-                # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
-                if self._changes[d] >= RECOUNT_EVERY:
+                if self._changes[d] >= RECOUNT_EVERY:  # exact again, from the integer counts
                     self._changes[d] = 0
                     n = (self.counts[d] + self.remote[d]).astype(np.float64)
                     np.dot(n, self.log_idle, out=self._recount)
                     self.log_q[d] = self._recount
+                # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
                 np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
                 np.exp(self._scratch, out=self.q[d])
                 self.active[d] = self.q.shape[1] - float(self.q[d].sum())
