@@ -113,4 +113,3 @@ class AppParts:
 
     async def _close_when_drained(self, w: Worker) -> None:
         raise NotImplementedError
-

@@ -392,4 +392,3 @@ class ExchangeMixin(AppParts):
             self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end
-
