@@ -366,14 +366,14 @@ def _parse_args():
     return ap.parse_args()
 
 
-def _fit_routing(tmp: Path) -> Path:
-    """A routing artifact for the stub's fake prompt shape (K = 2 decoders)."""
+def _fit_routing(tmp: Path, decoders: int = 2) -> Path:
+    """A routing artifact for the stub's fake prompt shape (K = ``decoders``), under ``tmp``."""
     from eldr_cli.artifacts.trace import write_trace
     from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
-    return run_fit(tmp / "trace", tmp / "fit", decoders=2, pairs=2000, figures=False)
+    return run_fit(tmp / "trace", tmp / "fit", decoders=decoders, pairs=2000, figures=False)
 
 
 def _flags(name, urls):

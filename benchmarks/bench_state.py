@@ -202,13 +202,7 @@ def bench_herd(tmp: Path, args) -> dict:
                  "max_tokens": 20, "policy": args.herd_policy, "note": "EMULATED: stub decoders"}
     policy = ["--policy", args.herd_policy]
     if args.herd_policy != "jsq":  # a routing artifact of the stubs' shape, one cluster per decoder
-        from eldr_cli.artifacts.trace import write_trace
-        from eldr_cli.pipeline.fit import run_fit
-        from eldr_cli.synth import synthetic_trace
-
-        write_trace(tmp / "herd-trace", synthetic_trace(300, bp.SHAPE[0], bp.SHAPE[1], 8, seed=0))
-        policy += ["--routing", str(run_fit(tmp / "herd-trace", tmp / "herd-fit", decoders=len(dec), pairs=2000,
-                                            figures=False))]
+        policy += ["--routing", str(bp._fit_routing(tmp / "herd", decoders=len(dec)))]
     try:
         for _ in range(args.herd_rounds):
             for name, extra in HERD_VARIANTS:

@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from eldr_cli.routing.live import LiveChoice, preference_order
-
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
     from eldr_cli.routing import Decision
@@ -176,26 +174,25 @@ class Reserver:
 
 async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision, Slot | None]:
     """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
-    was reserved: a policy that is not least-loaded-in-a-set, reservation off, Redis down)."""
+    was reserved: a policy that does not reserve, reservation off, Redis down)."""
     sh = state.shared
     rv = sh.reserver
-    if rv is None or sh.in_outage or state.router.name not in ("eldr", "eldr-live", "jsq"):
-        if rv is not None:
-            rv.results["skipped"] += 1
+    if rv is None:
         return choice, None
-    workers = state.decode.workers
     loads = state.decode.loads(state.cfg.scrape_metrics)
-    if isinstance(choice.detail, LiveChoice):
-        band: Sequence[int] = preference_order(choice.worker, choice.detail, loads)
-    else:
-        band = [int(k) for k in choice.band] if choice.band is not None else range(len(workers))
-    band = [k for k in band if workers[k].healthy]
+    offer = None if sh.in_outage else state.router.reservation(choice, loads)
+    if offer is None:
+        rv.results["skipped"] += 1
+        return choice, None
+    order, slack = offer
+    workers = state.decode.workers
+    band = [k for k in order if workers[k].healthy]
     if not band:
         return choice, None
     least = min(loads[k] for k in band)
     cands = [workers[k] for k in band if loads[k] <= least + SLACK]
     keys = [f"{w.role}|{w.url}" for w in cands]
-    i, late = await rv.choose(keys, int(getattr(choice.detail, "slack", 0)))
+    i, late = await rv.choose(keys, slack)
     cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
         return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])

@@ -59,7 +59,7 @@ def preference_order(choice: int, detail: LiveChoice, loads) -> list[int]:
     """Every decoder in eldr-live's order of preference for the replicas' reservation (proxy.reserve): its
     choice, then the others within the load cap, then the rest, each by predicted cost. Redis reserves the
     first whose slots over all replicas are within ``detail.slack`` of the least, so the cap is enforced on
-    exact counts rather than on this replica's stale view of the others. Built only when a replica asks."""
+    exact counts rather than on this replica's stale view of the others. Built only when a replica reserves."""
     cost = detail.predicted_ms.tolist()
     cap = min(loads) + detail.slack
     return [choice, *sorted((k for k in range(len(cost)) if k != choice), key=lambda k: (loads[k] > cap, cost[k]))]
@@ -154,6 +154,11 @@ class EldrLivePolicy(Policy):
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
         self.last = LiveChoice(cost, m, c_new, slack)
         return w
+
+    def reservation(self, worker, detail, loads) -> tuple[list[int], int] | None:
+        if not isinstance(detail, LiveChoice):
+            return None
+        return preference_order(worker, detail, loads), detail.slack
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

@@ -75,6 +75,12 @@ class Policy:
     def on_finish(self, worker: int, key: Any) -> None:
         """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
 
+    def reservation(self, worker: int, detail: Any, loads) -> tuple[list[int], int] | None:
+        """For the replicas' atomic reservation (``eldr_cli.proxy.reserve``): the candidate decoders in order
+        of preference and the slack over the least reserved that Redis may allow, for the decision ``worker``
+        with ``detail`` (what pick left in ``last``); None: this policy does not reserve (its choice stands)."""
+        return None
+
 
 class RoundRobin(Policy):
     name = "round-robin"
@@ -107,6 +113,9 @@ class JSQ(Policy):
 
     def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
         return jsq(loads)
+
+    def reservation(self, worker, detail, loads) -> tuple[list[int], int]:
+        return list(range(len(loads))), 0  # the least reserved of all
 
 
 class P2C(Policy):
@@ -192,6 +201,10 @@ class EldrPolicy(Policy):
             return jsq(loads)
         self.last = locality_band(signature, self.model.centroids, loads, self.tau)
         return self.last.worker
+
+    def reservation(self, worker, detail, loads) -> tuple[list[int], int]:
+        band = getattr(detail, "band", None)  # no signature: JSQ over all
+        return ([int(k) for k in band] if band is not None else list(range(len(loads)))), 0
 
 
 def _live_policy(n_workers: int, **kw: Any) -> Policy:

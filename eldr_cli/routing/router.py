@@ -121,6 +121,11 @@ class DecodeRouter:
     def on_finish(self, worker: int, key: Any) -> None:
         self._policy.on_finish(worker, key)
 
+    def reservation(self, decision: Decision, loads) -> tuple[list[int], int] | None:
+        """The candidates (in order of preference) and slack the replicas' reservation may choose among for
+        ``decision``; None when the policy does not reserve (see :meth:`Policy.reservation`)."""
+        return self._policy.reservation(decision.worker, decision.detail, loads)
+
     def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
         if self._signature_of is None:
             return None, "unused"
