@@ -40,8 +40,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_proxy as bp  # noqa: E402  (load generator, process helpers)
 
-from eldr_cli.proxy.redis_server import RedisServer  # noqa: E402
-from eldr_cli.proxy.sharedstate import STALENESS_BOUND_S  # noqa: E402
+from eldr_cli.proxy.replicas.redis_server import RedisServer  # noqa: E402
+from eldr_cli.proxy.replicas.shared import STALENESS_BOUND_S  # noqa: E402
 from eldr_cli.testing.ports import free_port  # noqa: E402
 from eldr_cli.testing.servers import wait_http  # noqa: E402
 

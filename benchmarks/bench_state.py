@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_proxy as bp  # noqa: E402
 import bench_replicas as br  # noqa: E402
 
-from eldr_cli.proxy.redis_server import RedisServer  # noqa: E402
+from eldr_cli.proxy.replicas.redis_server import RedisServer  # noqa: E402
 from eldr_cli.testing.ports import free_port  # noqa: E402
 from eldr_cli.testing.servers import wait_http  # noqa: E402
 
@@ -53,8 +53,8 @@ class _W:
 
 
 def _state_with(workers, vectors):
-    from eldr_cli.proxy.sharedstate import RedisState
-    from eldr_cli.proxy.stateconn import StateConn
+    from eldr_cli.proxy.replicas.conn import StateConn
+    from eldr_cli.proxy.replicas.shared import RedisState
 
     class Host:
         def all_workers(self):

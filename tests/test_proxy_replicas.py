@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.proxy.redis_server import RedisServer
-from eldr_cli.proxy.sharedstate import STALENESS_BOUND_S
+from eldr_cli.proxy.replicas.redis_server import RedisServer
+from eldr_cli.proxy.replicas.shared import STALENESS_BOUND_S
 from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread, wait_http
 from eldr_cli.testing.stub_worker import StubWorker

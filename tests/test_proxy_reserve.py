@@ -12,8 +12,8 @@ import pytest
 import redis as redis_py
 
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.proxy.redis_server import RedisServer
-from eldr_cli.proxy.reserve import SLACK, reserve_decode
+from eldr_cli.proxy.replicas.redis_server import RedisServer
+from eldr_cli.proxy.replicas.reserve import SLACK, reserve_decode
 from eldr_cli.routing import Decision
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker

@@ -13,8 +13,8 @@ import pytest
 import redis as redis_py
 
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.proxy.redis_server import RedisServer
-from eldr_cli.proxy.stateauth import Envelope, resolve_state_key
+from eldr_cli.proxy.replicas.auth import Envelope, resolve_state_key
+from eldr_cli.proxy.replicas.redis_server import RedisServer
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 

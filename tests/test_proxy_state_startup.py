@@ -15,7 +15,7 @@ import redis as redis_py
 from _tls_util import make_ca_and_server_cert
 
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.proxy.redis_server import RedisServer
+from eldr_cli.proxy.replicas.redis_server import RedisServer
 from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread, wait_http
 
@@ -174,7 +174,7 @@ def test_tls_server_signed_by_another_ca_is_refused(tls_redis):
 
 def test_the_serving_path_imports_nothing_from_testing():
     code = ("import sys, eldr_cli.commands.serve_proxy, eldr_cli.proxy.server, eldr_cli.proxy.app, "
-            "eldr_cli.proxy.redis_server, eldr_cli.proxy.sharedstate; "
+            "eldr_cli.proxy.replicas.redis_server, eldr_cli.proxy.replicas.shared; "
             "print(sorted(m for m in sys.modules if m.startswith('eldr_cli.testing')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))

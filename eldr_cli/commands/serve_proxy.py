@@ -62,16 +62,16 @@ def serve_proxy_cmd(
                        state_password_file=state_password_file, state_ca_file=state_ca_file,
                        state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
+    from eldr_cli.proxy.replicas.conn import redact
     from eldr_cli.proxy.server import bind_socket, serve_workers
-    from eldr_cli.proxy.stateconn import redact
 
     app = create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
     if cfg.state != "local":  # a refused password or an unverifiable certificate: before the banner
-        from eldr_cli.proxy.stateconn import check_state_reachable
+        from eldr_cli.proxy.replicas.conn import check_state_reachable
 
         check_state_reachable(app.state.shared.conn)  # type: ignore[attr-defined]
     if cfg.workers > 1 and cfg.state == "local":
-        from eldr_cli.proxy.redis_server import require_redis_server
+        from eldr_cli.proxy.replicas.redis_server import require_redis_server
 
         require_redis_server(f"--workers {cfg.workers} without --state shares state through a private redis-server")
     sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # a busy port fails before the banner

@@ -1,6 +1,6 @@
 """The proxy as a plain ASGI application (served by uvicorn with httptools + uvloop): the app object
 keeps lifecycle and dispatch; each concern has its module: the PD exchange (``exchange``), admin
-(``admin``), health (``health``), HTTP plumbing and errors (``http``), shared state (``sharedstate``).
+(``admin``), health (``health``), HTTP plumbing and errors (``http``), shared state between replicas (``replicas``).
 
 PD flow per request (vLLM's disaggregated-serving protocol, as its NIXL proxy speaks it):
 

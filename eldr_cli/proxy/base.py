@@ -9,8 +9,8 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from eldr_cli.proxy.config import ProxyConfig
-from eldr_cli.proxy.sharedstate import LocalState, RedisState
-from eldr_cli.proxy.stateconn import parse_state_url
+from eldr_cli.proxy.replicas.conn import parse_state_url
+from eldr_cli.proxy.replicas.shared import LocalState, RedisState
 from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 
@@ -23,8 +23,8 @@ def make_shared_state(cfg: ProxyConfig) -> LocalState:
     """Local, or Redis with the connection and key resolved (and checked) by ``cfg.validate()``."""
     if parse_state_url(cfg.state) == "local":
         return LocalState()
-    from eldr_cli.proxy.stateauth import resolve_state_key
-    from eldr_cli.proxy.stateconn import build_state_conn
+    from eldr_cli.proxy.replicas.auth import resolve_state_key
+    from eldr_cli.proxy.replicas.conn import build_state_conn
 
     key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
     conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)

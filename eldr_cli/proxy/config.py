@@ -94,8 +94,8 @@ class ProxyConfig:
 
     def _validate_state(self) -> None:
         """The shared-state URL, key, password and CA file: every problem is one message naming its option."""
-        from eldr_cli.proxy.stateauth import resolve_state_key
-        from eldr_cli.proxy.stateconn import build_state_conn, check_prefix, parse_state_url
+        from eldr_cli.proxy.replicas.auth import resolve_state_key
+        from eldr_cli.proxy.replicas.conn import build_state_conn, check_prefix, parse_state_url
 
         self.state = parse_state_url(self.state)
         check_prefix(self.state_prefix)

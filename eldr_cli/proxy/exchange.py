@@ -30,7 +30,7 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
-from eldr_cli.proxy.reserve import Slot, reserve_decode
+from eldr_cli.proxy.replicas.reserve import Slot, reserve_decode
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker, prompt_key
 from eldr_cli.routing import Decision, DecodeRouter

@@ -117,9 +117,9 @@ def serve_workers(cfg: ProxyConfig) -> None:
     import secrets
     import signal
 
-    from eldr_cli.proxy.redis_server import RedisServer
-    from eldr_cli.proxy.stateauth import KEY_ENV
-    from eldr_cli.proxy.stateconn import PASSWORD_ENV
+    from eldr_cli.proxy.replicas.auth import KEY_ENV
+    from eldr_cli.proxy.replicas.conn import PASSWORD_ENV
+    from eldr_cli.proxy.replicas.redis_server import RedisServer
 
     private, env_before = None, dict(os.environ)
     if cfg.state == "local":

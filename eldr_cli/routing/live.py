@@ -56,7 +56,7 @@ class LiveChoice(NamedTuple):
 
 
 def preference_order(choice: int, detail: LiveChoice, loads) -> list[int]:
-    """Every decoder in eldr-live's order of preference for the replicas' reservation (proxy.reserve): its
+    """Every decoder in eldr-live's order of preference for the replicas' reservation (proxy.replicas.reserve): its
     choice, then the others within the load cap, then the rest, each by predicted cost. Redis reserves the
     first whose slots over all replicas are within ``detail.slack`` of the least, so the cap is enforced on
     exact counts rather than on this replica's stale view of the others. Built only when a replica reserves."""

@@ -76,7 +76,7 @@ class Policy:
         """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
 
     def reservation(self, worker: int, detail: Any, loads) -> tuple[list[int], int] | None:
-        """For the replicas' atomic reservation (``eldr_cli.proxy.reserve``): the candidate decoders in order
+        """For the replicas' atomic reservation (``eldr_cli.proxy.replicas.reserve``): the candidate decoders in order
         of preference and the slack over the least reserved that Redis may allow, for the decision ``worker``
         with ``detail`` (what pick left in ``last``); None: this policy does not reserve (its choice stands)."""
         return None

@@ -91,7 +91,7 @@ class Slot:
 
 
 class Reserver:
-    """The reservation side of :class:`eldr_cli.proxy.sharedstate.RedisState` (one per replica)."""
+    """The reservation side of :class:`eldr_cli.proxy.replicas.shared.RedisState` (one per replica)."""
 
     def __init__(self, redis: Any, ns: str, replica_id: str, deadline_s: float):
         self.key, self.replica_id, self.deadline_s = f"{ns}:reserved", replica_id, deadline_s

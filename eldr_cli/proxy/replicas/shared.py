@@ -1,8 +1,8 @@
 """Router state shared between proxy replicas (``eldr serve-proxy --state redis[s]://HOST:PORT[/DB]``).
 
-Every message and heartbeat a replica writes is signed (:mod:`eldr_cli.proxy.stateauth`); what fails
-the check is dropped and counted. Connection options: :mod:`eldr_cli.proxy.stateconn`. Atomic
-select-and-reserve of decode slots (the herd): :mod:`eldr_cli.proxy.reserve`.
+Every message and heartbeat a replica writes is signed (:mod:`eldr_cli.proxy.replicas.auth`); what fails
+the check is dropped and counted. Connection options: :mod:`eldr_cli.proxy.replicas.conn`. Atomic
+select-and-reserve of decode slots (the herd): :mod:`eldr_cli.proxy.replicas.reserve`.
 
 The locality band needs every replica to see every decoder's load, or replicas pile requests onto
 the same "least loaded" decoder. What is shared, and how:
@@ -39,10 +39,10 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from eldr_cli.proxy.reserve import Reserver
-from eldr_cli.proxy.stateauth import REASONS, Envelope
-from eldr_cli.proxy.stateconn import StateConn
-from eldr_cli.proxy.statecounts import parse_counts, sum_counts
+from eldr_cli.proxy.replicas.auth import REASONS, Envelope
+from eldr_cli.proxy.replicas.conn import StateConn
+from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
+from eldr_cli.proxy.replicas.reserve import Reserver
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -78,7 +78,7 @@ class LocalState:
         self.in_outage = False
         self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
         self.env: Envelope | None = None
-        self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.reserve)
+        self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.replicas.reserve)
 
     @property
     def rejected(self) -> dict[str, int]:

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from eldr_cli.errors import EldrError
-from eldr_cli.proxy.stateauth import read_secret_file
+from eldr_cli.proxy.replicas.auth import read_secret_file
 
 log = logging.getLogger("eldr.proxy.state")
 
