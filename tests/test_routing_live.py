@@ -173,10 +173,38 @@ def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
     write_cost_model(tmp_path / "cost", CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05, source="given"))
     built = []
     real = simc.make_router
+    # a spy on the lifecycle while the run goes on: at every decision the live set on each decoder holds exactly
+    # the decode engine's in-flight requests (the loads the router is given), so dispatches and finishes happen
+    # when they should, not only in the final drain
+    seen = {"decide": 0, "dispatch": [], "finish": [], "mismatch": [], "busy": 0}
+
+    class Spy:  # the simulator's router, every call counted (DecodeRouter has __slots__: wrap, don't patch)
+        def __init__(self, r):
+            self.r = r
+
+        def __getattr__(self, name):
+            return getattr(self.r, name)
+
+        def decide(self, counts, loads, **k):
+            live = self.r.policy.counts.sum(axis=1).tolist()
+            if live != list(loads):
+                seen["mismatch"].append((live, list(loads)))
+            seen["decide"] += 1
+            seen["busy"] = max(seen["busy"], sum(live))
+            return self.r.decide(counts, loads, **k)
+
+        def on_dispatch(self, d, key):
+            seen["dispatch"].append(key)
+            return self.r.on_dispatch(d, key)
+
+        def on_finish(self, w, key):
+            assert key in seen["dispatch"] and key not in seen["finish"]  # once, after its dispatch
+            seen["finish"].append(key)
+            return self.r.on_finish(w, key)
 
     def keep(*a, **kw):
         built.append(real(*a, **kw))
-        return built[-1]
+        return Spy(built[-1])
 
     monkeypatch.setattr(simc, "make_router", keep)
     run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
@@ -184,6 +212,11 @@ def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
                      n_decode=3, duration_s=4, warmup_s=1, max_tokens=8, workers=1)
     (router,) = built
     assert router.stateful and router.policy.is_empty()
+    n = seen["decide"]
+    assert n > 100 and len(seen["dispatch"]) == n and len(set(seen["dispatch"])) == n
+    assert sorted(seen["finish"]) == sorted(seen["dispatch"])  # every request finished exactly once
+    assert not seen["mismatch"], seen["mismatch"][:3]
+    assert seen["busy"] > 0  # requests were in flight when others arrived (the check above was not vacuous)
 
 
 # -- the proxy -------------------------------------------------------------------------------------------
