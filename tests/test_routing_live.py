@@ -56,8 +56,14 @@ def test_decode_activation_rows_are_per_step_probabilities():
     for m in range(8):
         np.testing.assert_allclose(est.activation_[m], np.clip(p[est.labels_ == m].mean(0), 0, 0.999), rtol=1e-6)
     np.testing.assert_allclose(est.activation_[8], np.clip(p.mean(0), 0, 0.999), rtol=1e-6)
-    assert est.predict(S[0]) == est.labels_[0] or est.prototypes_[est.predict(S[0])] @ S[0] >= \
-        est.prototypes_[est.labels_[0]] @ S[0]
+    # predict is the nearest prototype (the largest cosine), checked by brute force on every calibration row
+    for i in range(len(S)):
+        cos = [float(S[i] @ est.prototypes_[m]) / float(np.linalg.norm(est.prototypes_[m])) for m in range(8)]
+        assert cos[est.predict(S[i])] == pytest.approx(max(cos), abs=1e-12)
+        assert est.predict(3.0 * S[i]) == est.predict(S[i])  # a direction: the scale of the counts does not matter
+    assert [est.predict(p) for p in est.prototypes_] == list(range(8))
+    # the fit's own labels are the nearest prototypes of their rows (k-means converged), all 200 rows kept
+    assert len(est.labels_) == 200 and np.mean([est.predict(S[i]) == est.labels_[i] for i in range(200)]) > 0.95
 
 
 def test_idle_decoder_wins_at_low_load_and_shared_experts_under_load():
