@@ -159,6 +159,36 @@ def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     assert pol.is_empty() and (pol.idle_probabilities() == 1).all() and not pol.active.any()
 
 
+def test_the_exact_recount_is_observed():
+    """Float32 updates of log q drift from the exact sum; after RECOUNT_EVERY changes of a decoder the next
+    refresh recounts it from the integer counts (local + remote): log q is then the float64 sum, rounded once."""
+    from eldr_cli.routing.live import RECOUNT_EVERY, LiveChoice
+
+    rng = np.random.default_rng(2)
+    M1 = 5
+    act = rng.uniform(0, 0.9, size=(M1, L, E)).astype(np.float32)
+    pol = make_router("eldr-live", 1, model=_model(rng.random((M1 - 1, L * E)), act, K=1)).policy
+    # log(1 - a) as the policy stores it (float32), summed in float64
+    log_idle = np.log1p(-act.reshape(M1, -1).astype(np.float64)).astype(np.float32).astype(np.float64)
+    pol.apply_remote(0, [2, 0, 1, 0, 0, 0])  # another replica's requests count in the recount too
+    live: list = []
+    for i in range(RECOUNT_EVERY - 2):  # changes without a refresh in between: the float32 sum drifts
+        if len(live) < 12 or (rng.random() < 0.5 and len(live) < 40):
+            pol.on_dispatch(0, i, LiveChoice(np.zeros(1), int(rng.integers(M1)), 1))
+            live.append(i)
+        else:
+            pol.on_finish(0, live.pop(int(rng.integers(len(live)))))
+    assert pol._changes[0] == RECOUNT_EVERY - 1  # the remote vector's change counts as one
+    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    pol.idle_probabilities()
+    assert np.abs(pol.log_q[0] - exact).max() > 0  # drifted: the check below is not vacuous
+    pol.on_dispatch(0, "last", LiveChoice(np.zeros(1), 3, 1))  # the RECOUNT_EVERY-th change
+    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    pol.idle_probabilities()
+    np.testing.assert_array_equal(pol.log_q[0], exact)  # recounted: exact, bit for bit
+    assert pol._changes[0] == 0
+
+
 def test_artifact_without_the_live_model_is_refused_by_name():
     m = RoutingModel("count", np.ones((L, E)), np.arange(L), np.eye(4, L * E))
     with pytest.raises(EldrError, match="eldr fit"):
