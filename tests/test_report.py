@@ -241,3 +241,34 @@ def test_capacity_search_finds_the_threshold_of_a_synthetic_linear_cost_model(in
     (run,) = doc["capacity"]["round-robin"]
     assert run["status"] == "found" and run["bracket_rps"][1] <= 1.02 * run["bracket_rps"][0]
     assert v["binding_slo"]["round-robin"] == "tpot" and v["tpot_p50_change_vs_best_lb_pct"] is None
+
+
+def test_headline_tiles_and_decision_of_a_verdict_written_by_hand():
+    """The headline on intervals away from 0 (the fixture's span 0): eldr-live's figures, signs and the instances
+    saved turned into the change in decode instances, the strings written out here."""
+    from eldr_cli.pipeline.report_render import decision, headline
+
+    def iv(m, lo, hi):
+        return {"mean": m, "ci95": [lo, hi]}
+
+    v = {"status": "ok", "best_load_balancer": "round-robin",
+         "capacity_rps": {"round-robin": iv(100.0, 95, 105), "eldr": iv(104.0, 99, 109),
+                          "eldr-live": iv(112.3, 108, 117), "oracle": iv(120.0, 115, 125)},
+         "capacity_gain_vs_best_lb_pct": {"eldr": iv(4.0, -1.0, 9.0), "eldr-live": iv(12.34, 5.0, 20.0),
+                                          "oracle": iv(20.0, 15.0, 25.0)},
+         "decode_instances_saved_pct": {"eldr": iv(3.8, -1.0, 8.3), "eldr-live": iv(11.0, 4.8, 16.7),
+                                        "oracle": iv(16.7, 13.0, 20.0)},
+         "change_vs_best_lb_by_load": [
+             {"load_pct": 75, "router": "eldr", "tpot_p50_pct": iv(-3.0, -5.0, -1.0), "tpot_p99_pct": iv(9.0, 8, 10)},
+             {"load_pct": 50, "router": "eldr-live", "tpot_p50_pct": iv(-1.0, -2.0, -0.5),
+              "tpot_p99_pct": iv(1.0, 0.5, 2.0)},
+             {"load_pct": 75, "router": "eldr-live", "tpot_p50_pct": iv(-8.0, -10.0, -6.0),
+              "tpot_p99_pct": iv(1.0, -2.0, 4.0)}]}
+    assert headline({"verdict": v}) == [
+        ("eldr-live capacity at SLO vs round-robin", "+12.3%", "95% CI +5.0 to +20.0%"),
+        ("decode instances for the same traffic", "-11.0%", "95% CI -16.7 to -4.8%"),
+        ("TPOT p50 at 75% load", "-8.0%", "95% CI -10.0 to -6.0%"),
+        ("TPOT p99 at 75% load", "no measurable difference", "")]
+    assert decision({"verdict": v}) == "Deploy eldr-live: more capacity at this SLO."
+    v["capacity_gain_vs_best_lb_pct"]["eldr-live"] = iv(-6.0, -9.0, -3.0)
+    assert decision({"verdict": v}).startswith("Do not deploy eldr-live")
