@@ -63,7 +63,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.cfg.decision_log:
             from eldr_cli.proxy.decisionlog import DecisionLog
 
-            self.decision_log = DecisionLog(self.cfg.decision_log)
+            self.decision_log = DecisionLog(self.cfg.decision_log, replay=self.cfg.decision_log_replay)
+            self.metrics.watch_decision_log(self.decision_log)
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         await self.state.shared.start(self)

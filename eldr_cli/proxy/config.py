@@ -49,6 +49,7 @@ class ProxyConfig:
     scrape_metrics: bool = False
     # decision log (.jsonl appends; .parquet writes numbered part files) for offline replay
     decision_log: str | None = None
+    decision_log_replay: bool = False   # add what a replay / refit needs (arrival, tokens, signature, artifact)
     log_level: str = "info"
     access_log: bool = False
     # several replicas: "local" (this process alone) or redis[s]://[USER@]HOST:PORT[/DB] (shared counts
@@ -86,6 +87,9 @@ class ProxyConfig:
             raise EldrError("health thresholds must be >= 1")
         if self.decision_log:
             check_decision_log_path(str(self.decision_log))
+        elif self.decision_log_replay:
+            raise EldrError("--decision-log-replay adds fields to the decision log, but no --decision-log is given",
+                            hint="pass --decision-log FILE.jsonl (or .parquet) as well")
         if self.admin_token is None:
             self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
         self.prefill = [u.rstrip("/") for u in self.prefill]

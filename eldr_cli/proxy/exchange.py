@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
+from eldr_cli.handoff import SIGNATURE_KEY, SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.decisionlog import decision_row
+from eldr_cli.proxy.decisionlog import decision_row, replay_fields
 from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
@@ -225,10 +225,13 @@ class ExchangeMixin(AppParts):
         ktp = answer.get("kv_transfer_params")
         if not isinstance(ktp, dict):
             ktp = None
+        dl = self.decision_log
+        replay = replay_fields(ctx.t0, answer, body, ktp.get(SIGNATURE_KEY) if ktp else None, st.routing_path) \
+            if dl is not None and dl.replay else None
         counts, sig_state = self._handoff_counts(ktp)
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
         tokens = _context_tokens(answer, body)
-        choice = self._decide(ctx, router, counts, sig_state, tokens)
+        choice = self._decide(ctx, router, counts, sig_state, tokens, replay)
         choice, ctx.reserved = await reserve_decode(st, choice)  # replicas: one atomic slot in Redis
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
@@ -274,7 +277,7 @@ class ExchangeMixin(AppParts):
             return None, "malformed"
 
     def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
-                tokens: int | None) -> Decision:
+                tokens: int | None, replay: dict[str, Any] | None = None) -> Decision:
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
         loads = st.decode.loads(self.cfg.scrape_metrics)
@@ -292,8 +295,10 @@ class ExchangeMixin(AppParts):
         wid = st.decode.workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
         if self.decision_log is not None:
-            self.decision_log.write(decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid,
-                                                 ctx.domain, dt))
+            row = decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt)
+            if replay is not None:
+                row.update(replay)
+            self.decision_log.write(row)
         return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
