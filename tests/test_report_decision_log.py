@@ -60,6 +60,9 @@ def test_report_on_the_served_log(served):
         assert c["ci95"][0] <= c["mean"] <= c["ci95"][1]
     assert set(sec["logged_load_pct_of_capacity"]) == {"jsq", "eldr"}
     assert doc["trace"]["requests"] == N
+    # the stub's random counts are nothing like the GENERATED calibration domains: drift is flagged
+    assert sec["drift"]["drifted"] is True and sec["drift"]["requests"] == N
+    assert "DRIFTED" in (out / "report.md").read_text()
 
 
 def test_rebuilt_requests_are_the_served_ones(served):

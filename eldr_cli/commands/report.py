@@ -77,6 +77,8 @@ def report_cmd(
         console.print(f"decision log: {sec['rows_used']} requests replayed, logged load {sec['logged_rate_rps']:.3g} "
                       f"req/s = {sec['logged_load_pct_of_best_lb']}% of the best load balancer's capacity; "
                       f"decode picks GENERATED; logged TPOT not available")
+        if sec["drift"].get("drifted"):
+            console.print("[red]drift:[/] " + "; ".join(sec["drift"]["reasons"]))
     console.print(f"report -> {out / 'report.html'}  (also report.md, report.json)")
 
 

@@ -202,6 +202,7 @@ def run_report_from_log(log, out, *, fit, seed: int = 0, **report_kw) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     section = log_section(v, rows, skipped, arr, log)
+    section["drift"] = log_drift(model, fit, tr.prefill_counts)
     _append(out, section)
     return {**v, "decision_log": section}
 
@@ -224,6 +225,17 @@ def log_section(v: dict, rows: list[dict], skipped: dict[str, int], arr: dict, l
             "logged_tpot": "not available: the proxy does not record decoders' TPOT (no error vs the cost model)"}
 
 
+def log_drift(model, fit, counts: np.ndarray) -> dict:
+    """The drift verdict over every replayed request (one window of the whole log), see routing.drift."""
+    from eldr_cli.routing.drift import DriftMonitor
+    from eldr_cli.routing.model import load_routing_artifact
+
+    stats = load_routing_artifact(fit).params.get("drift")
+    mon = DriftMonitor.for_model(model, stats, window=len(counts))
+    mon.observe_many(np.stack([model.signature(c) for c in counts]))
+    return mon.snapshot()
+
+
 def _append(out: Path, section: dict) -> None:
     """Add the section to report.json and report.md (written by run_report into ``out``)."""
     j = out / "report.json"
@@ -236,6 +248,16 @@ def _append(out: Path, section: dict) -> None:
              f"- logged load: {section['logged_rate_rps']:.3g} req/s over {section['logged_span_s']:.0f} s "
              f"(arrival gaps CV {section['arrival_gap_cv']:.2f}; each seed draws a gamma process of that CV)",
              f"- logged load as % of each router's SIMULATED capacity: {section['logged_load_pct_of_capacity']}",
+             f"- drift: {_drift_text(section['drift'])}",
              f"- decode picks: {section['decode_picks']}", f"- logged TPOT: {section['logged_tpot']}", ""]
     with open(out / "report.md", "a") as fh:
         fh.write("\n".join(lines))
+
+
+def _drift_text(d: dict) -> str:
+    if d.get("drifted") is None:
+        return "no verdict (" + "; ".join(d.get("reasons") or ["too few requests"]) + ")"
+    sim = f"mean similarity to the nearest centroid {d['centroid_similarity']:.3f}"
+    if not d["drifted"]:
+        return f"none beyond the calibration threshold ({sim})"
+    return "DRIFTED: " + "; ".join(d["reasons"]) + " -- refit on this traffic (`eldr fit --from-decision-log`)"

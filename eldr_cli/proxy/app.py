@@ -50,6 +50,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         self.state = ProxyState(cfg)
         self.metrics = ProxyMetrics(self.state)
         self.decision_log = None
+        self.drift = None
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -65,6 +66,11 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.decision_log = DecisionLog(self.cfg.decision_log, replay=self.cfg.decision_log_replay)
             self.metrics.watch_decision_log(self.decision_log)
+        if self.state.model is not None and self.drift is None:
+            from eldr_cli.proxy.drift import DriftCollector, DriftWatch
+
+            self.drift = DriftWatch(self.state)
+            self.metrics.registry.register(DriftCollector(self.drift))
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         await self.state.shared.start(self)

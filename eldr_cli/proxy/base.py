@@ -16,6 +16,7 @@ from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
+    from eldr_cli.proxy.drift import DriftWatch
     from eldr_cli.proxy.metrics import ProxyMetrics
 
 
@@ -104,6 +105,7 @@ class AppParts:
     state: ProxyState
     metrics: ProxyMetrics
     decision_log: DecisionLog | None
+    drift: DriftWatch | None
 
     def _open(self, w: Worker) -> None:
         raise NotImplementedError

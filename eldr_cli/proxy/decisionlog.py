@@ -79,6 +79,21 @@ def replay_fields(t0_perf: float, answer: dict[str, Any], body: dict[str, Any], 
             "sig": sig, "routing_id": routing_id(routing_path)}
 
 
+def observe_handoff(app: Any, t0_perf: float, answer: dict[str, Any], body: dict[str, Any],
+                    ktp: dict[str, Any] | None) -> dict[str, Any] | None:
+    """At the handoff, before the signature is popped: queue it for the drift watch, and return the replay
+    fields when the decision log records them (else None)."""
+    from eldr_cli.handoff import SIGNATURE_KEY
+
+    enc = ktp.get(SIGNATURE_KEY) if ktp is not None else None
+    if app.drift is not None:
+        app.drift.observe(enc)
+    dl = app.decision_log
+    if dl is None or not dl.replay:
+        return None
+    return replay_fields(t0_perf, answer, body, enc, app.state.routing_path)
+
+
 class DecisionLog:
     """The proxy's decision log: rows queued by the request path, written by one thread."""
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from eldr_cli.handoff import SIGNATURE_KEY, SignatureDecodeError, decode_counts, pop_signature
+from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.decisionlog import decision_row, replay_fields
+from eldr_cli.proxy.decisionlog import decision_row, observe_handoff
 from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
@@ -225,9 +225,7 @@ class ExchangeMixin(AppParts):
         ktp = answer.get("kv_transfer_params")
         if not isinstance(ktp, dict):
             ktp = None
-        dl = self.decision_log
-        replay = replay_fields(ctx.t0, answer, body, ktp.get(SIGNATURE_KEY) if ktp else None, st.routing_path) \
-            if dl is not None and dl.replay else None
+        replay = observe_handoff(self, ctx.t0, answer, body, ktp)  # drift watch; the decision log's replay fields
         counts, sig_state = self._handoff_counts(ktp)
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
         tokens = _context_tokens(answer, body)

@@ -26,7 +26,8 @@ class HealthMixin(AppParts):
                 "in_progress": st.in_progress, "state": st.shared.kind, "replica": st.shared.replica_id,
                 "replicas": st.shared.live_replicas, "state_rejected": st.shared.rejected,
                 "state_ignored_origins": st.shared.ignored_origins(),
-                "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
+                "workers": [w.as_dict() for w in [*st.prefill, *st.decode]],
+                "drift": None if self.drift is None else self.drift.snapshot()}
         await send_json(send, 200 if ok else 503, body)
 
     async def _models(self, send: Send) -> None:
