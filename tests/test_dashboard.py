@@ -61,7 +61,7 @@ def proxy(tmp_path_factory):
     fit = build_routing(d, decoders=3)
     with RedisServer() as r:
         c = Cluster(routing=str(fit), policy="eldr", decision_log=str(d / "d.jsonl"), admin_token="s3cret",
-                    state=f"redis://{r.host}:{r.port}/0", scrape_metrics=True)
+                    shadow=["eldr-live"], state=f"redis://{r.host}:{r.port}/0", scrape_metrics=True)
         try:
             assert httpx.post(c.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 2}).status_code \
                 == 200

@@ -51,6 +51,12 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         self.metrics = ProxyMetrics(self.state)
         self.decision_log = None
         self.drift = None
+        self.shadow = None
+        if cfg.shadow:  # a shadow the routing artifact cannot build is refused here, once; the proxy serves
+            from eldr_cli.proxy.shadow import ShadowSet, register_shadow_metrics
+
+            self.shadow = ShadowSet(self.state, cfg.shadow)
+            register_shadow_metrics(self.metrics.registry, self.shadow)
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()

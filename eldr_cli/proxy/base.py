@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
     from eldr_cli.proxy.drift import DriftWatch
     from eldr_cli.proxy.metrics import ProxyMetrics
+    from eldr_cli.proxy.shadow import ShadowSet
 
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:
@@ -106,6 +107,7 @@ class AppParts:
     metrics: ProxyMetrics
     decision_log: DecisionLog | None
     drift: DriftWatch | None
+    shadow: ShadowSet | None
 
     def _open(self, w: Worker) -> None:
         raise NotImplementedError

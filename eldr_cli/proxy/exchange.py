@@ -110,6 +110,8 @@ class ExchangeMixin(AppParts):
             outcome = await self._generate_inner(ctx, clen, receive, send)
         finally:
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + 1
+            if self.shadow is not None:
+                self.shadow.finish_later(rid)
             self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
             st.in_progress -= 1  # last: tests in other threads wait for 0, then read the outcome
             if log.isEnabledFor(logging.INFO):
@@ -266,7 +268,7 @@ class ExchangeMixin(AppParts):
         if enc is None:
             self.metrics.child(self.metrics.signature_missing, "missing").inc()
             return None, "missing"
-        if not self.state.router.needs_signature:
+        if not self.state.router.needs_signature and self.shadow is None:
             return None, "unused"
         try:
             return decode_counts(enc), "ok"
@@ -279,8 +281,8 @@ class ExchangeMixin(AppParts):
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
-                          tokens=tokens)
+        healthy = [w.healthy for w in st.decode.workers]
+        d = router.decide(counts, loads, domain=ctx.domain, healthy=healthy, tokens=tokens)
         dt = time.perf_counter() - t0
         if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
             sig_state = "malformed"
@@ -292,10 +294,11 @@ class ExchangeMixin(AppParts):
             m.band_size.observe(len(d.band))
         wid = st.decode.workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
-        if self.decision_log is not None:
-            row = decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt)
-            if replay is not None:
-                row.update(replay)
+        row = None if self.decision_log is None else \
+            decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt) | (replay or {})
+        if self.shadow is not None:  # the shadows decide right after this request is dispatched, then log the row
+            self.shadow.later(ctx.rid, counts, d, ctx.domain, healthy, tokens, row, self.decision_log)
+        elif row is not None and self.decision_log is not None:
             self.decision_log.write(row)
         return d
 

@@ -27,7 +27,8 @@ class HealthMixin(AppParts):
                 "replicas": st.shared.live_replicas, "state_rejected": st.shared.rejected,
                 "state_ignored_origins": st.shared.ignored_origins(),
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]],
-                "drift": None if self.drift is None else self.drift.snapshot()}
+                "drift": None if self.drift is None else self.drift.snapshot(),
+                "shadow": None if self.shadow is None else self.shadow.describe()}
         await send_json(send, 200 if ok else 503, body)
 
     async def _models(self, send: Send) -> None:
