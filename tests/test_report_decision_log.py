@@ -122,3 +122,47 @@ def test_truncated_and_mixed_rows_are_skipped_and_counted(served, tmp_path):
     other = build_routing(tmp_path, decoders=3, seed=5)
     r = cli("report", "--decision-log", str(d / "log.jsonl"), "--fit", str(other), "--out", str(tmp_path / "r"))
     assert r.returncode == 2 and routing_id(str(fit)) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_logged_tpot_against_the_cost_model(served, tmp_path):
+    """Rows carrying the decoders' scraped TPOT (here written into the served log: 2 ms on d0, 4 ms elsewhere)
+    give each decoder's logged TPOT beside the cost model's step at its mean logged batch."""
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.pipeline.decision_replay import logged_tpot
+
+    d, fit = served
+    model = RoutingModel.load(fit)
+    rows, _ = replay_rows(read_rows(d / "log.jsonl"), "log", routing_id(str(fit)))
+    for r in rows:
+        r["decoders_tpot_ms"] = [2.0, 4.0, None]
+        r["loads"] = [3, 1, 0]
+    tr = trace_from_rows(rows, model.shape, seed=0)
+    t = logged_tpot(rows, tr, d / "cm")
+    per = {x["decoder"]: x for x in t["per_decoder"]}
+    assert set(per) == {0, 1}  # d2 was never scraped
+    cost = CostModel.load(d / "cm")
+    assert per[0]["logged_tpot_ms"] == 2.0 and per[0]["mean_batch"] == 3
+    assert per[1]["predicted_tpot_ms"] < per[0]["predicted_tpot_ms"]  # a smaller batch: a shorter step
+    p = tr.decode_counts.mean(axis=0) / 8
+    want = cost.step_ms(float((1 - (1 - p) ** 3).sum()), 4, 3.0, cost.token_scale(4))
+    assert per[0]["predicted_tpot_ms"] == pytest.approx(want, rel=1e-3)
+    assert per[0]["error_pct"] == pytest.approx(100 * (2.0 - want) / want, abs=0.1)
+    assert "note" in logged_tpot(rows, tr, None) and "--scrape-metrics" in logged_tpot(
+        [{k: v for k, v in r.items() if k != "decoders_tpot_ms"} for r in rows], tr, d / "cm")["note"]
+
+
+def test_scraped_tpot_is_the_mean_over_the_scrape_interval():
+    from eldr_cli.proxy.tpot import update_tpot
+    from eldr_cli.proxy.workers import Worker
+
+    w = Worker("d0", "decode", "http://x")
+    page = 'vllm:time_per_output_token_seconds_sum{{model_name="m"}} {}\nvllm:time_per_output_token_seconds_count' \
+           '{{model_name="m"}} {}\n'
+    update_tpot(w, page.format(1.0, 100))
+    assert w.scraped_tpot_ms is None  # one scrape: no interval yet
+    update_tpot(w, page.format(1.5, 150))
+    assert w.scraped_tpot_ms == pytest.approx(10.0)  # 0.5 s over 50 tokens
+    update_tpot(w, page.format(1.5, 150))
+    assert w.scraped_tpot_ms == pytest.approx(10.0)  # no new token: the last figure stays
+    update_tpot(w, "vllm:num_requests_running 3\n")
+    assert w.scraped_tpot_ms is None and w.tpot_totals is None

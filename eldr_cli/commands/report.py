@@ -76,7 +76,10 @@ def report_cmd(
         sec = v["decision_log"]
         console.print(f"decision log: {sec['rows_used']} requests replayed, logged load {sec['logged_rate_rps']:.3g} "
                       f"req/s = {sec['logged_load_pct_of_best_lb']}% of the best load balancer's capacity; "
-                      f"decode picks GENERATED; logged TPOT not available")
+                      "decode picks GENERATED")
+        lt = sec.get("logged_tpot") or {}
+        console.print("logged TPOT vs the cost model: " + (f"mean |error| {lt['mean_abs_error_pct']:.0f}% over "
+                      f"{len(lt['per_decoder'])} decoders" if "per_decoder" in lt else lt.get("note", "n/a")))
         if sec["drift"].get("drifted"):
             console.print("[red]drift:[/] " + "; ".join(sec["drift"]["reasons"]))
     console.print(f"report -> {out / 'report.html'}  (also report.md, report.json)")

@@ -203,6 +203,7 @@ def run_report_from_log(log, out, *, fit, seed: int = 0, **report_kw) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     section = log_section(v, rows, skipped, arr, log)
     section["drift"] = log_drift(model, fit, tr.prefill_counts)
+    section["logged_tpot"] = logged_tpot(rows, tr, report_kw.get("cost_model"))
     _append(out, section)
     return {**v, "decision_log": section}
 
@@ -221,8 +222,44 @@ def log_section(v: dict, rows: list[dict], skipped: dict[str, int], arr: dict, l
             "arrival_gap_cv": round(arr["gap_cv"], 3), "arrival_burstiness": round(arr["burstiness"], 3),
             "logged_load_pct_of_capacity": share,
             "logged_load_pct_of_best_lb": round(100.0 * arr["rate_rps"] / max(lbs), 1) if lbs else None,
-            "decode_picks": "GENERATED from the logged prefill counts (the log holds no decode steps)",
-            "logged_tpot": "not available: the proxy does not record decoders' TPOT (no error vs the cost model)"}
+            "decode_picks": "GENERATED from the logged prefill counts (the log holds no decode steps)"}
+
+
+def logged_tpot(rows: list[dict[str, Any]], tr, cost_model) -> dict[str, Any]:
+    """Per decoder: the mean TPOT the proxy scraped from it (``decoders_tpot_ms``, `serve-proxy
+    --scrape-metrics`) against the cost model's step time for its mean logged batch (in-flight requests at
+    decision time), with the log's mean per-step decode activation (GENERATED decode picks): the model's error
+    on the operator's own hardware. A note instead when the log or the report lacks what it needs."""
+    if cost_model is None:
+        return {"note": "give --cost-model to compare the logged TPOT with the cost model's prediction"}
+    got = [r for r in rows if isinstance(r.get("decoders_tpot_ms"), list) and isinstance(r.get("loads"), list)]
+    if not got:
+        return {"note": "the log holds no scraped TPOT: serve with --scrape-metrics (decoders exporting "
+                        "vllm:time_per_output_token_seconds)"}
+    from eldr_cli.costmodel import CostModel
+
+    cost = CostModel.load(cost_model)
+    steps = np.maximum(np.asarray(tr.decode_steps, dtype=np.float64), 1.0)
+    p = np.clip((np.asarray(tr.decode_counts) / steps[:, None, None]).mean(axis=0), 0.0, 1.0)  # [L, E]
+    ctx = float(np.mean(tr.prompt_tokens)) + float(np.mean(steps)) / 2.0
+    scale = cost.token_scale(tr.top_k)
+    out = []
+    for k in range(len(got[0]["decoders_tpot_ms"])):
+        pairs = [(r["decoders_tpot_ms"][k], r["loads"][k]) for r in got
+                 if k < len(r["decoders_tpot_ms"]) and r["decoders_tpot_ms"][k] is not None and k < len(r["loads"])]
+        if not pairs:
+            continue
+        logged = float(np.mean([a for a, _ in pairs]))
+        B = max(float(np.mean([b for _, b in pairs])), 1.0)
+        active = float((1.0 - (1.0 - p) ** B).sum())
+        pred = cost.step_ms(active, tr.num_layers, B, scale, context=[ctx] * int(round(B)))
+        out.append({"decoder": k, "rows": len(pairs), "mean_batch": round(B, 2), "logged_tpot_ms": round(logged, 3),
+                    "predicted_tpot_ms": round(pred, 3), "error_pct": round(100.0 * (logged - pred) / pred, 1)})
+    if not out:
+        return {"note": "no decoder's TPOT was scraped while the log was written"}
+    return {"per_decoder": out, "mean_abs_error_pct": round(float(np.mean([abs(x["error_pct"]) for x in out])), 1),
+            "how": "predicted: the cost model's step at each decoder's mean logged in-flight count, with the log's "
+                   "mean decode activation (GENERATED from prefill counts)"}
 
 
 def log_drift(model, fit, counts: np.ndarray) -> dict:
@@ -249,7 +286,8 @@ def _append(out: Path, section: dict) -> None:
              f"(arrival gaps CV {section['arrival_gap_cv']:.2f}; each seed draws a gamma process of that CV)",
              f"- logged load as % of each router's SIMULATED capacity: {section['logged_load_pct_of_capacity']}",
              f"- drift: {_drift_text(section['drift'])}",
-             f"- decode picks: {section['decode_picks']}", f"- logged TPOT: {section['logged_tpot']}", ""]
+             f"- decode picks: {section['decode_picks']}", f"- logged TPOT vs the cost model: {_tpot_text(section)}",
+             ""]
     with open(out / "report.md", "a") as fh:
         fh.write("\n".join(lines))
 
@@ -261,3 +299,12 @@ def _drift_text(d: dict) -> str:
     if not d["drifted"]:
         return f"none beyond the calibration threshold ({sim})"
     return "DRIFTED: " + "; ".join(d["reasons"]) + " -- refit on this traffic (`eldr fit --from-decision-log`)"
+
+
+def _tpot_text(section: dict) -> str:
+    t = section.get("logged_tpot") or {}
+    if "per_decoder" not in t:
+        return t.get("note", "not available")
+    per = "; ".join(f"d{x['decoder']} {x['logged_tpot_ms']:.2f} vs {x['predicted_tpot_ms']:.2f} ms "
+                    f"({x['error_pct']:+.0f}%)" for x in t["per_decoder"])
+    return f"mean |error| {t['mean_abs_error_pct']:.0f}% ({per}); {t['how']}"

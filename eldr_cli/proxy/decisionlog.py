@@ -91,7 +91,11 @@ def observe_handoff(app: Any, t0_perf: float, answer: dict[str, Any], body: dict
     dl = app.decision_log
     if dl is None or not dl.replay:
         return None
-    return replay_fields(t0_perf, answer, body, enc, app.state.routing_path)
+    row = replay_fields(t0_perf, answer, body, enc, app.state.routing_path)
+    if app.cfg.scrape_metrics:  # the decoders' scraped TPOT: what `eldr report --decision-log` holds the model to
+        row["decoders_tpot_ms"] = [None if w.scraped_tpot_ms is None else round(w.scraped_tpot_ms, 4)
+                                   for w in app.state.decode.workers]
+    return row
 
 
 class DecisionLog:

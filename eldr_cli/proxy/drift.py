@@ -144,3 +144,4 @@ class DriftCollector:
         c = CounterMetricFamily("eldr_proxy_drift_skipped", "Signatures not scored (the drift queue was full)")
         c.add_metric([], self.watch.dropped)
         yield c
+
