@@ -109,12 +109,18 @@ def test_truncated_and_mixed_rows_are_skipped_and_counted(served, tmp_path):
             row = json.loads(line)
             if i % 4 == 0:
                 row["routing_id"] = "feedfacefeedface"
+            elif i % 4 == 1:  # a proxy serving without a routing artifact
+                row["routing_id"] = None
+            elif i % 8 == 2:  # no output budget asked for: the others' median
+                row["max_tokens"] = None
             fh.write(json.dumps(row) + "\n")
         fh.write(lines[0][:40])  # the writer stopped mid-row
     rows, skipped = replay_rows(read_rows(mixed), mixed, routing_id(str(fit)))
-    assert skipped == {"truncated": 1, "without replay fields": 0, "other routing artifact": N // 4,
+    assert skipped == {"truncated": 1, "without replay fields": 0, "other routing artifact": N // 2,
                        "without signature": 0}
-    assert len(rows) == N - N // 4
+    assert len(rows) == N - N // 2
+    tr = trace_from_rows(rows, RoutingModel.load(fit).shape)
+    assert (tr.decode_steps == 8).all()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(lines[0] + "\n{not json\n" + lines[1] + "\n")
     r = cli("report", "--decision-log", str(bad), "--fit", str(fit), "--out", str(tmp_path / "r"))

@@ -78,7 +78,9 @@ def replay_rows(rows: list[dict[str, Any]], path, routing_id: str) -> tuple[list
     keep: list[dict[str, Any]] = []
     others: dict[str, int] = {}
     for r in rows:
-        if any(f not in r or (f != "sig" and r[f] is None and f != "prompt_tokens") for f in REPLAY_FIELDS):
+        # sig, prompt_tokens, max_tokens and routing_id may be null (no signature handed off, no usage, no
+        # output budget asked for, no routing artifact); arrival_s may not
+        if any(f not in r for f in REPLAY_FIELDS) or r["arrival_s"] is None:
             skipped["without replay fields"] += 1
         elif r["routing_id"] != routing_id:
             skipped["other routing artifact"] += 1
@@ -139,7 +141,9 @@ def trace_from_rows(rows: list[dict[str, Any]], shape: tuple[int, int], seed: in
     k = int(round(float(np.median(per_layer[has, 0] / tokens[has])))) if has.any() else 1
     k = max(1, min(k, E))
     tokens = np.where(has, tokens, np.maximum(per_layer[:, 0] // k, 1)).astype(np.int32)
-    steps = np.clip(np.array([r.get("max_tokens") or 1 for r in rows]), 1, MAX_STEPS).astype(np.int32)
+    asked = [r["max_tokens"] for r in rows if isinstance(r.get("max_tokens"), int) and r["max_tokens"] > 0]
+    typical = int(np.median(asked)) if asked else 16  # vLLM's completions default when nobody asked
+    steps = np.clip(np.array([r.get("max_tokens") or typical for r in rows]), 1, MAX_STEPS).astype(np.int32)
     picks, offsets, dc = _generated_picks(pc, per_layer, steps, k, seed)
     dom = [str(r.get("domain")) if r.get("domain") is not None else "unlabelled" for r in rows]
     requests = pl.DataFrame({"request_id": [str(r.get("request_id")) for r in rows], "domain": dom,
