@@ -108,7 +108,9 @@ def fit_cmd(
     if from_decision_log is not None:
         return _refit(from_decision_log, routing, out, decoders, tau, seed, force)
     if trace is None or decoders is None:
-        raise EldrError("eldr fit needs --trace and --decoders (or --from-decision-log LOG --routing DIR)")
+        flag = "--trace" if trace is None else "--decoders"
+        raise EldrError(f"Missing option '{flag}' (or refit from a decision log: --from-decision-log LOG "
+                        "--routing DIR)")
     with replacing(out, force):
         run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
                 vanilla=vanilla, split=split, figures=figures)
