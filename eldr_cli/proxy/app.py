@@ -72,7 +72,9 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.decision_log = DecisionLog(self.cfg.decision_log, replay=self.cfg.decision_log_replay)
             self.metrics.watch_decision_log(self.decision_log)
-        if self.state.model is not None and self.drift is None:
+        if self.drift is not None:
+            self.drift.start()
+        elif self.state.model is not None:
             from eldr_cli.proxy.drift import DriftCollector, DriftWatch
 
             self.drift = DriftWatch(self.state)
@@ -104,6 +106,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.decision_log is not None:
             self.decision_log.close()
             self.decision_log = None
+        if self.drift is not None:
+            self.drift.close()
     # -- shared state (several replicas) -------------------------------------------------------
     def all_workers(self) -> list[Worker]:
         return [*self.state.prefill, *self.state.decode]

@@ -35,8 +35,14 @@ class DriftWatch:
         self._path: str | None = None
         self._lock = threading.Lock()
         self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_rows)
-        self._thread = threading.Thread(target=self._run, name="eldr-drift", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread()
+        self.start()
+
+    def start(self) -> None:
+        """Start the scoring thread (again after :meth:`close`)."""
+        if not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="eldr-drift", daemon=True)
+            self._thread.start()
 
     def observe(self, enc: Any) -> None:
         """One handed-off signature as it arrived (never blocks: a full queue skips it, counted)."""
