@@ -59,6 +59,11 @@ def test_report_on_the_served_log(served):
     for c in v["capacity_rps"].values():
         assert c["ci95"][0] <= c["mean"] <= c["ci95"][1]
     assert set(sec["logged_load_pct_of_capacity"]) == {"jsq", "eldr"}
+    at = sec["at_logged_load"]  # every router SIMULATED at the logged rate, paired against the best balancer
+    assert at["label"] == "SIMULATED" and at["rate_rps"] == pytest.approx(sec["logged_rate_rps"], rel=1e-3)
+    assert set(at["by_router"]) == {"jsq", "eldr"} and set(at["tpot_p50_change_vs_best_lb_pct"]) == {"eldr"}
+    assert all(x["tpot_p50_ms"]["mean"] > 0 for x in at["by_router"].values())
+    assert "at the logged load (SIMULATED)" in (out / "report.md").read_text()
     assert doc["trace"]["requests"] == N
     # the stub's random counts are nothing like the GENERATED calibration domains: drift is flagged
     assert sec["drift"]["drifted"] is True and sec["drift"]["requests"] == N

@@ -203,13 +203,54 @@ def run_report_from_log(log, out, *, fit, seed: int = 0, **report_kw) -> dict:
                             inputs={"decision_log": str(log)})
         report_kw.setdefault("decode", model.n_clusters)
         v = run_report(trace, out, fit=fit, seed=seed, split="all", **report_kw)
+        at_load = at_logged_load(trace, fit, report_kw.get("cost_model"), out, arr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     section = log_section(v, rows, skipped, arr, log)
+    section["at_logged_load"] = at_load
     section["drift"] = log_drift(model, fit, tr.prefill_counts)
     section["logged_tpot"] = logged_tpot(rows, tr, report_kw.get("cost_model"))
     _append(out, section)
     return {**v, "decision_log": section}
+
+
+def at_logged_load(trace: Path, fit, cost_model, out: Path, arr: dict) -> dict:
+    """Every router SIMULATED at the logged rate (the report's seeds, setup and SLO; arrivals of the logged
+    gaps' CV): TPOT/TTFT per router with 95% intervals and the paired TPOT change against the best load
+    balancer."""
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.bench.workload import ScaledArrivals
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.pipeline.capacity import mean_ci, paired_pct_ci
+    from eldr_cli.pipeline.capacity_study import measure
+    from eldr_cli.pipeline.report import _setup
+
+    if cost_model is None:
+        return {"note": "give --cost-model to simulate every router at the logged load"}
+    doc = json.loads((out / "report.json").read_text())
+    sim, v = doc["simulated"], doc["verdict"]
+    setup, _, _, _ = _setup(trace, read_trace(trace), Path(fit), cost_model, CostModel.load(cost_model), sim["split"],
+                            sim["decode"], sim["max_tokens"], float(sim["min_window_s"]), sim["seeds"][0],
+                            v["slo"]["tpot_p90_ms"], v["slo"]["ttft_p90_ms"], sim["prefill"], [])
+    rate, seeds = float(arr["rate_rps"]), list(sim["seeds"])
+    runs = {r: [measure(setup, ScaledArrivals(len(setup.items), seed=s, burstiness=arr["burstiness"]), r, rate, s)
+                for s in seeds] for r in sim["routers"]}
+
+    def iv(x) -> dict:
+        return x.as_json(3) if x is not None else {"mean": None, "ci95": [None, None]}
+
+    best = v["best_load_balancer"]
+    keys = ("tpot_p50_ms", "tpot_p90_ms", "ttft_p90_ms")
+    return {"label": "SIMULATED", "rate_rps": round(rate, 4), "seeds": seeds,
+            "by_router": {r: {k: iv(mean_ci(_vals(ms, k))) for k in keys} for r, ms in runs.items()},
+            "tpot_p50_change_vs_best_lb_pct": {r: iv(paired_pct_ci(_vals(ms, "tpot_p50_ms"),
+                                                                   _vals(runs[best], "tpot_p50_ms")))
+                                               for r, ms in runs.items() if r != best}}
+
+
+def _vals(runs: list[dict], key: str) -> list[float]:
+    """One figure per seed (NaN where a run has none: dropped by the intervals)."""
+    return [float("nan") if m.get(key) is None else float(m[key]) for m in runs]
 
 
 def log_section(v: dict, rows: list[dict], skipped: dict[str, int], arr: dict, log) -> dict:
@@ -289,6 +330,7 @@ def _append(out: Path, section: dict) -> None:
              f"- logged load: {section['logged_rate_rps']:.3g} req/s over {section['logged_span_s']:.0f} s "
              f"(arrival gaps CV {section['arrival_gap_cv']:.2f}; each seed draws a gamma process of that CV)",
              f"- logged load as % of each router's SIMULATED capacity: {section['logged_load_pct_of_capacity']}",
+             f"- at the logged load (SIMULATED): {_at_load_text(section.get('at_logged_load') or {})}",
              f"- drift: {_drift_text(section['drift'])}",
              f"- decode picks: {section['decode_picks']}", f"- logged TPOT vs the cost model: {_tpot_text(section)}",
              ""]
@@ -312,3 +354,13 @@ def _tpot_text(section: dict) -> str:
     per = "; ".join(f"d{x['decoder']} {x['logged_tpot_ms']:.2f} vs {x['predicted_tpot_ms']:.2f} ms "
                     f"({x['error_pct']:+.0f}%)" for x in t["per_decoder"])
     return f"mean |error| {t['mean_abs_error_pct']:.0f}% ({per}); {t['how']}"
+
+
+def _at_load_text(a: dict) -> str:
+    if "by_router" not in a:
+        return a.get("note", "not available")
+    parts = [f"{r} TPOT p50 {x['tpot_p50_ms']['mean']:.2f} ms" for r, x in a["by_router"].items()
+             if x["tpot_p50_ms"]["mean"] is not None]
+    ch = [f"{r} {c['mean']:+.1f}% [{c['ci95'][0]}, {c['ci95'][1]}]" for r, c in
+          a["tpot_p50_change_vs_best_lb_pct"].items() if c["mean"] is not None]
+    return "; ".join(parts) + (" -- TPOT p50 vs the best load balancer: " + ", ".join(ch) if ch else "")
