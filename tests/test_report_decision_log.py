@@ -177,3 +177,18 @@ def test_scraped_tpot_is_the_mean_over_the_scrape_interval():
     assert w.scraped_tpot_ms == pytest.approx(10.0)  # no new token: the last figure stays
     update_tpot(w, "vllm:num_requests_running 3\n")
     assert w.scraped_tpot_ms is None and w.tpot_totals is None
+
+
+def test_parquet_log_replays_like_jsonl(served, tmp_path):
+    from eldr_cli.proxy.decisionlog import DecisionLog
+
+    d, fit = served
+    lines = [json.loads(x) for x in open(d / "log.jsonl")]
+    log = DecisionLog(str(tmp_path / "log.parquet"), rows_per_part=30)
+    for r in lines:
+        log.write(r)
+    log.close()
+    assert len(list(tmp_path.glob("log-*.parquet"))) == 3
+    a, _ = replay_rows(read_rows(d / "log.jsonl"), "jsonl", routing_id(str(fit)))
+    b, _ = replay_rows(read_rows(tmp_path / "log.parquet"), "parquet", routing_id(str(fit)))
+    assert [r["sig"] for r in a] == [{k: v for k, v in r["sig"].items() if v is not None} for r in b]
