@@ -57,6 +57,9 @@ def test_shadows_decide_on_their_own_state_and_are_logged(routing3, tmp_path):
         assert sh["eldr-live"]["chosen"] == want.worker and len(sh["eldr-live"]["predicted_ms"]) == 3
         assert sh["eldr"]["chosen"] == band.decide(fake_counts(p), [0, 0, 0]).worker
         assert sh["eldr-live"]["agree"] == (want.worker == 0)
+        # each assignment's predicted next step per decoder: only the decoder holding this request runs one
+        assert [x > 0 for x in sh["eldr-live"]["step_ms"]] == [k == want.worker for k in range(3)]
+        assert [x > 0 for x in sh["eldr-live"]["live_step_ms"]] == [True, False, False]
     assert n_live == len(PROMPTS) and agree == sum(r["shadow"]["eldr-live"]["agree"] for r in rows)
     assert health["policies"] == ["eldr-live", "eldr"] and health["refused"] == {}
     assert all(v == 0 for v in steps.values())  # nothing in flight any more: idle decoders run no step

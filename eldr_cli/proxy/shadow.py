@@ -108,6 +108,8 @@ class ShadowSet:
                         tokens: int | None, row: dict[str, Any] | None, dlog: Any) -> None:
         try:
             shadow = self.decide(rid, counts, live, domain, healthy, tokens)
+            if shadow and row is not None:  # the predicted steps of both assignments, as this request joined them
+                self.add_steps(shadow, row.get("loads"), live.worker)
         except Exception:  # noqa: BLE001 - a shadow must never hurt serving
             log.exception("shadow decision failed")
             shadow = None
@@ -188,6 +190,18 @@ class ShadowSet:
             if sh.predictor is not None and sh.predictor is not sh.router.policy:
                 sh.predictor.on_finish(w, rid)
 
+    def add_steps(self, out: dict[str, Any], live_loads: list[int] | None, live_worker: int) -> None:
+        """Each decoder's predicted next step under the live assignment (``live_step_ms``: the in-flight counts
+        the live policy saw, plus this request) and under each shadow's (``step_ms``), into ``out``."""
+        live_ms = None
+        if live_loads is not None and self.live_predictor is not None:
+            loads = [v + (k == live_worker) for k, v in enumerate(live_loads)]
+            live_ms = _rounded(self.predicted_step_ms(self.live_predictor, loads))
+        for sh in self.shadows:
+            if sh.name in out and sh.predictor is not None:
+                out[sh.name]["step_ms"] = _rounded(self.predicted_step_ms(sh.predictor, sh.loads))
+                out[sh.name]["live_step_ms"] = live_ms
+
     def predicted_step_ms(self, pred: Any, loads: list[int]) -> list[float] | None:
         """Each decoder's predicted next step (ms, or relative units without a cost model) for the live set
         ``pred`` follows and the in-flight counts ``loads``; 0 for an idle decoder."""
@@ -200,6 +214,10 @@ class ShadowSet:
         mem = pred.mem if not roof else np.maximum(pred.mem, kc * B + ka * pred.ctx)
         out: list[float] = ((const + kt * B + mem) * (B > 0)).tolist()
         return out
+
+
+def _rounded(v: list[float] | None) -> list[float] | None:
+    return None if v is None else [round(x, 4) for x in v]
 
 
 class ShadowCollector:
