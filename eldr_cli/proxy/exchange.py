@@ -184,22 +184,38 @@ class ExchangeMixin(AppParts):
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
         tokens = context_tokens(answer, body)
         choice, loads, dt = self._decide(ctx, router, counts, sig_state, tokens)
-        ctx.decode_index = choice.worker
-        router.on_dispatch(choice, ctx.rid)  # in the live set before anything awaits
+        self._hold(ctx, router, choice)  # in the live set and the worker's load before anything awaits
         try:
             # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)
             choice, ctx.reserved = await reserve_decode(st, choice)
             if choice.worker != ctx.decode_index:
-                ctx.decode_index = choice.worker
-                router.on_dispatch(choice, ctx.rid)
+                self._release_hold(ctx, router)
+                self._hold(ctx, router, choice)
             self._record(ctx, router, choice, sig_state, loads, dt)
             dec = dict(body)
             dec["kv_transfer_params"] = ktp
             leg = (path, orjson.dumps(dec), headers, bool(body.get("stream")))
             return await self._decode_legs(ctx, router, choice, counts, tokens, leg, send, rid_h)
         finally:
-            if ctx.decode_index is not None:
-                router.on_finish(ctx.decode_index, ctx.rid)
+            self._release_hold(ctx, router)
+
+    def _hold(self, ctx: RequestContext, router: DecodeRouter, choice: Decision) -> None:
+        """The request is on ``choice.worker`` from now on: in the router's live set and in that worker's in-flight
+        count (which the next decisions' loads read), whatever awaits follow."""
+        router.on_dispatch(choice, ctx.rid)
+        w = self.state.decode.workers[choice.worker]
+        w.inflight += 1
+        ctx.decode_index, ctx.held = choice.worker, w
+        self.state.shared.note_change()
+
+    def _release_hold(self, ctx: RequestContext, router: DecodeRouter) -> None:
+        """The request left the worker :meth:`_hold` put it on (finished, failed, cancelled or moved)."""
+        if ctx.held is None or ctx.decode_index is None:
+            return
+        router.on_finish(ctx.decode_index, ctx.rid)
+        ctx.held.inflight -= 1
+        ctx.held, ctx.decode_index = None, None
+        self.state.shared.note_change()
 
     async def _decode_legs(self, ctx: RequestContext, router: DecodeRouter, choice: Decision, counts: Any,
                            tokens: int | None, leg: tuple[str, bytes, list[tuple[str, str]], bool], send: Send,
@@ -225,11 +241,10 @@ class ExchangeMixin(AppParts):
                     await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
                     return "upstream_error"
                 m.child(m.retries, "decode").inc()
-            router.on_finish(idx, ctx.rid)  # no await from here to the new dispatch
+            self._release_hold(ctx, router)  # no await from here to the new dispatch
             choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
                                    healthy=up, tokens=tokens)
-            ctx.decode_index = choice.worker
-            router.on_dispatch(choice, ctx.rid)
+            self._hold(ctx, router, choice)
 
     def _handoff_counts(self, ktp: dict[str, Any] | None) -> tuple[Any, str]:
         """The handed-off prefill counts [L, E] (None when missing, malformed or not needed) and their state."""
@@ -312,9 +327,7 @@ class ExchangeMixin(AppParts):
                           stream: bool, send: Send, rid_h: tuple[bytes, bytes]) -> str:
         m = self.metrics
         rt = self.cfg.decode_read_timeout_s
-        w.inflight += 1
-        self.state.shared.note_change()
-        resp = None
+        resp = None  # w's in-flight count is held by _pd (from the decision on)
         try:
             try:
                 resp = await w.pool().request("POST", path, raw, headers, timeout=rt)
@@ -369,8 +382,6 @@ class ExchangeMixin(AppParts):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return "ok"
         finally:
-            w.inflight -= 1
-            self.state.shared.note_change()
             self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from eldr_cli.proxy.replicas.reserve import Slot
+from eldr_cli.proxy.workers import Worker
 
 PREFILL_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -29,7 +30,8 @@ class RequestContext:
     reason: str | None = None          # why the request did not end "ok"
     delivered: bool = False            # [DONE] (or the whole answer) reached the client
     reserved: Slot | None = None       # the decode slot reserved in the shared state
-    decode_index: int | None = None    # the decoder the router's live set holds the request on
+    decode_index: int | None = None    # the decoder the router's live set holds the request on ...
+    held: Worker | None = None         # ... and whose in-flight count holds it
 
 
 def context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
