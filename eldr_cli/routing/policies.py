@@ -21,8 +21,6 @@ import numpy as np
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
 
-POLICIES = ("eldr", "eldr-live", "round-robin", "random", "jsq", "p2c", "domain")
-
 
 class BandDecision(NamedTuple):
     worker: int
@@ -238,13 +236,3 @@ def band_ranking(signature: np.ndarray | None, centroids: np.ndarray, loads, tau
     b = locality_band(signature, centroids, loads, tau)
     return Ranking(b.worker, slack=0, candidates=tuple(int(k) for k in b.band), similarities=b.similarities,
                    band=b.band)
-
-
-def _live_policy(n_workers: int, **kw: Any) -> Policy:
-    from eldr_cli.routing.live import EldrLivePolicy
-
-    return EldrLivePolicy(n_workers, **kw)
-
-
-POLICY_CLASSES: dict[str, Any] = {"eldr": EldrPolicy, "eldr-live": _live_policy, "round-robin": RoundRobin,
-                                  "random": RandomPolicy, "jsq": JSQ, "p2c": P2C, "domain": DomainPolicy}

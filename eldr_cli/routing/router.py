@@ -19,10 +19,10 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
-from eldr_cli.routing.policies import POLICY_CLASSES, Policy, Ranking
+from eldr_cli.routing.policies import Policy, Ranking
+from eldr_cli.routing.registry import LOAD_BALANCERS, REGISTRY, ROUTERS, check_policy
 
-ROUTERS = (*POLICY_CLASSES, "oracle")   # every name make_router builds
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+__all__ = ["LOAD_BALANCERS", "ROUTERS", "Decision", "DecodeRouter", "make_router"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +176,7 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
     the served rows' decode counts (see :func:`eldr_cli.routing.oracle.fit_oracle`), needed by ``oracle``,
     whose signature is the request's own decode pattern looked up by ``key``.
     """
-    if name not in ROUTERS:
-        raise EldrError(f"unknown policy {name!r}; expected one of {', '.join(ROUTERS)}")
+    check_policy(name)
     if n_workers < 1:
         raise EldrError("at least one decode worker is needed")
     if name == "oracle":
@@ -189,7 +188,9 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
                             lambda counts, key: oracle.patterns.get(key))
     if domain_share is None and model is not None:
         domain_share = model.domain_share
-    policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
+    build = REGISTRY[name].build
+    assert build is not None
+    policy = build(n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
                                   cost=cost)
     sig = None
     if policy.needs_signature and model is not None:
