@@ -194,6 +194,15 @@ async def _bursts(url, n_bursts, size, gap_s, max_tokens):
     return outcome
 
 
+def herd_variants(args) -> list[tuple[str, list[str]]]:
+    """One proxy, then (``--herd-workers 2,4,8``) N replicas with the reservation (50 ms) for each N; without
+    the option, the default set (4 replicas without and with the reservation at 50 and 500 ms)."""
+    if not args.herd_workers:
+        return HERD_VARIANTS
+    return [("1 proxy", [])] + [(f"--workers {n}, reservation (50 ms)", ["--workers", n, "--state-reserve-ms", "50"])
+                                for n in args.herd_workers.split(",")]
+
+
 def bench_herd(tmp: Path, args) -> dict:
     ports = [free_port() for _ in range(6)]
     pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
@@ -205,7 +214,7 @@ def bench_herd(tmp: Path, args) -> dict:
         policy += ["--routing", str(bp._fit_routing(tmp / "herd", decoders=len(dec)))]
     try:
         for _ in range(args.herd_rounds):
-            for name, extra in HERD_VARIANTS:
+            for name, extra in herd_variants(args):
                 port = free_port()
                 p = br._proxy(tmp, f"herd{len(out)}", pre, dec, port, *policy, *extra)
                 time.sleep(1.0)  # the workers find each other
@@ -227,7 +236,7 @@ def bench_herd(tmp: Path, args) -> dict:
     finally:
         bp._stop(stubs)
     one = max(r["spread_max"] for r in out["1 proxy"])
-    for name, _ in HERD_VARIANTS[1:]:
+    for name, _ in herd_variants(args)[1:]:
         four = max(r["spread_max"] for r in out[name])
         out[f"spread_max_ratio[{name}] / 1 proxy"] = four / one if one else None
     return out
@@ -279,6 +288,7 @@ def main():
     ap.add_argument("--burst-size", type=int, default=16)
     ap.add_argument("--burst-gap-s", type=float, default=0.5)
     ap.add_argument("--herd-rounds", type=int, default=2)
+    ap.add_argument("--herd-workers", default=None, help="replica counts to compare with one proxy, e.g. 2,4,8")
     ap.add_argument("--herd-policy", default="jsq", help="the proxies' policy in the herd part (jsq, eldr, eldr-live)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))

@@ -169,7 +169,7 @@ CASES: dict[str, tuple] = {
     "sweep-routers-empty": (["bench", "sweep", "--url", "http://127.0.0.1:9", "--prompts", "trace", "--out", "b",
                              "--routers", ","], "--routers is empty"),
     "sweep-router-unknown": (["bench", "sweep", "--url", "http://127.0.0.1:9", "--prompts", "trace", "--out", "b",
-                              "--routers", "eldr,bogus"], "unknown router 'bogus'"),
+                              "--routers", "eldr,bogus"], "unknown policy 'bogus'"),
     "sim-split-bogus": ([*SIM, "--split", "bogus"], "'--split'"),
     "sim-prefill-0": ([*SIM, "--prefill", "0"], "'--prefill'"),
     "sim-tau-3": ([*SIM, "--tau", "3"], "'--tau'"),

@@ -19,7 +19,7 @@ import pytest
 
 from eldr_cli.costmodel import CostModel
 from eldr_cli.routing import RoutingModel, make_router
-from eldr_cli.routing.live import EldrLivePolicy, LiveChoice, step_form
+from eldr_cli.routing.live import EldrLivePolicy, LiveDetail, step_form
 
 PROTO0 = np.array([1.0, 0.0, 0.0, 0.0])  # nearest prototype: 0
 
@@ -31,7 +31,7 @@ def _policy(cost, tokens: tuple[int, int, int] = (0, 0, 0)) -> EldrLivePolicy:
     pol = make_router("eldr-live", 2, model=model, cost=cost).policy
     assert isinstance(pol, EldrLivePolicy)
     for key, (w, m, tok) in enumerate([(0, 0, tokens[0]), (0, 0, tokens[1]), (1, 1, tokens[2])]):
-        pol.on_dispatch(w, key, LiveChoice(np.zeros(2), m, tok))
+        pol.on_dispatch(w, key, LiveDetail(m, tok))
     return pol
 
 
@@ -42,24 +42,27 @@ def test_linear_cost_model_two_decoders_by_hand():
     np.testing.assert_allclose(pol.active, [1.5, 1.0])
     # T_0 = 1 + 0.2 + 0.75 = 1.95, T'_0 = 1 + 0.3 + 0.875 = 2.175, cost_0 = 2.175 + 2 * 0.225 = 2.625
     # T_1 = 1 + 0.1 + 0.5  = 1.6,  T'_1 = 1 + 0.2 + 1.0   = 2.2,   cost_1 = 2.2   + 1 * 0.6   = 2.8
-    assert pol.pick([2, 1], PROTO0) == 0  # 2.8 is 6.7% above 2.625: no tie even at low load
-    np.testing.assert_allclose(pol.last.predicted_ms, [2.625, 2.8], rtol=1e-6)
-    assert pol.last.prototype == 0
+    r = pol.rank([2, 1], PROTO0)
+    assert r.first == 0  # 2.8 is 6.7% above 2.625: no tie even at low load
+    np.testing.assert_allclose(r.predicted_ms, [2.625, 2.8], rtol=1e-6)
+    assert r.detail.prototype == 0
 
 
 def test_near_idle_costs_within_3_percent_are_ties_under_load_the_least_cost_wins():
     pol = _policy(CostModel(a_ms=100.0, b_ms=0.5, c_ms=0.1, source="given"))
     # loads 2 + 1 < 4 per decoder: near idle. cost_0 = 101.175 + 2 * 0.225 = 101.625, cost_1 = 101.2 + 0.6 = 101.8
     # (0.17% apart): a tie, which goes to fewer in flight, decoder 1
-    assert pol.pick([2, 1], PROTO0) == 1
-    np.testing.assert_allclose(pol.last.predicted_ms, [101.625, 101.8], rtol=1e-6)
+    r = pol.rank([2, 1], PROTO0)
+    assert r.first == 1
+    np.testing.assert_allclose(r.predicted_ms, [101.625, 101.8], rtol=1e-6)
     # loads 5 + 4 >= 4 per decoder (the caller's B_d): T_0 = 101.25, T'_0 = 101.475, cost_0 = 101.475 + 5 * 0.225
     # = 102.6; T_1 = 100.9, T'_1 = 101.5, cost_1 = 101.5 + 4 * 0.6 = 103.9: 1.3% apart, the cheaper one wins
-    assert pol.pick([5, 4], PROTO0) == 0
-    np.testing.assert_allclose(pol.last.predicted_ms, [102.6, 103.9], rtol=1e-6)
+    r = pol.rank([5, 4], PROTO0)
+    assert r.first == 0
+    np.testing.assert_allclose(r.predicted_ms, [102.6, 103.9], rtol=1e-6)
     # equal costs and loads: the decoder sent a request longest ago (decoder 0 got the first two, 1 the last)
     fresh = _policy(CostModel(a_ms=1.0, b_ms=0.0, c_ms=0.0, source="given"))
-    assert fresh.pick([1, 1], PROTO0) == 0
+    assert fresh.rank([1, 1], PROTO0).first == 0
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,13 @@ def test_expert_parallelism_spreads_the_union_over_the_ranks():
     # T_0 = 1 + 0.5 + 0.375 = 1.875, T'_0 = 1 + 0.6 + 0.4375 = 2.0375, cost_0 = 2.0375 + 5 * 0.1625 = 2.85
     # T_1 = 1 + 0.4 + 0.25  = 1.65,  T'_1 = 1 + 0.5 + 0.5    = 2.0,    cost_1 = 2.0    + 4 * 0.35   = 3.4
     pol = _policy(_EP2(a_ms=1.0, b_ms=0.5, c_ms=0.1, source="given"))
-    assert pol.pick([5, 4], PROTO0) == 0
-    np.testing.assert_allclose(pol.last.predicted_ms, [2.85, 3.4], rtol=1e-6)
+    r = pol.rank([5, 4], PROTO0)
+    assert r.first == 0
+    np.testing.assert_allclose(r.predicted_ms, [2.85, 3.4], rtol=1e-6)
     # without EP the same case costs 3.6 and 4.9
     pol = _policy(CostModel(a_ms=1.0, b_ms=0.5, c_ms=0.1, source="given"))
-    pol.pick([5, 4], PROTO0)
-    np.testing.assert_allclose(pol.last.predicted_ms, [3.6, 4.9], rtol=1e-6)
+    r = pol.rank([5, 4], PROTO0)
+    np.testing.assert_allclose(r.predicted_ms, [3.6, 4.9], rtol=1e-6)
 
 
 class _StepForm:
@@ -107,9 +111,10 @@ class _StepForm:
 def test_roofline_step_form_with_kv_and_the_compute_roof_by_hand(kc, want, choice):
     # (const, kb, kt, m0, kv, kc, ka, roof) = (1, 0.5, 0, 2, 0.01, kc, 0, 1)
     pol = _policy(_StepForm((1.0, 0.5, 0.0, 2.0, 0.01, kc, 0.0, 1.0)), tokens=(50, 50, 300))
-    assert pol.pick([2, 1], PROTO0, tokens=100) == choice
-    np.testing.assert_allclose(pol.last.predicted_ms, want, rtol=1e-6)
-    assert pol.last.tokens == 100
+    r = pol.rank([2, 1], PROTO0, tokens=100)
+    assert r.first == choice
+    np.testing.assert_allclose(r.predicted_ms, want, rtol=1e-6)
+    assert r.detail.tokens == 100
 
 
 def test_step_form_of_a_real_roofline_with_ep_divides_the_expert_term(tmp_path):

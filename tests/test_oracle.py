@@ -7,7 +7,7 @@ import pytest
 
 from eldr_cli.routing import make_router
 from eldr_cli.routing.oracle import OracleModel, decode_patterns, oracle_share
-from eldr_cli.routing.policies import POLICIES
+from eldr_cli.routing.registry import SERVABLE as POLICIES
 
 
 def test_oracle_is_not_offered_to_the_proxy():

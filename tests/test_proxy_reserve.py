@@ -13,8 +13,10 @@ import redis as redis_py
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.redis_server import RedisServer
-from eldr_cli.proxy.replicas.reserve import SLACK, reserve_decode
+from eldr_cli.proxy.replicas.reserve import TRUST_MARGIN as SLACK
+from eldr_cli.proxy.replicas.reserve import reserve_decode
 from eldr_cli.routing import Decision
+from eldr_cli.routing.policies import Ranking
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
@@ -155,7 +157,8 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
 
         async def choose(extra):  # d1 carries `extra` more requests in the signed counts than d0
             w1.remote_inflight = extra - w1.inflight
-            choice, slot = await reserve_decode(a.state, Decision(0, "unused"))
+            jsq_ranking = Ranking(0, slack=0, candidates=(0, 1))
+            choice, slot = await reserve_decode(a.state, Decision(0, "unused", ranking=jsq_ranking))
             a.state.shared.reserver.release(slot)
             return choice.worker
 

@@ -14,7 +14,7 @@ from _proxy_util import Cluster, build_routing
 from eldr_cli.errors import EldrError
 from eldr_cli.method.live import DecodeActivation
 from eldr_cli.routing import RoutingModel, make_router
-from eldr_cli.routing.live import EldrLivePolicy
+from eldr_cli.routing.live import EldrLivePolicy, LiveDetail
 from eldr_cli.synth import synthetic_trace
 from eldr_cli.testing.stub_worker import fake_counts
 
@@ -72,21 +72,20 @@ def test_idle_decoder_wins_at_low_load_and_shared_experts_under_load():
     pol = r.policy
     assert isinstance(pol, EldrLivePolicy)
     # low load: decoder 0 runs one request of prototype 0; a second one of the same prototype goes elsewhere
-    pol.pick([0, 0, 0, 0], _sig(0))
-    pol.on_dispatch(0, "a", pol.last)
+    pol.on_dispatch(0, "a", pol.rank([0, 0, 0, 0], _sig(0)).detail)
     d = r.decide(None, [1, 0, 0, 0])
     assert d.worker != 0 and d.predicted_ms is not None and len(d.predicted_ms) == 4
-    assert pol.pick([1, 0, 0, 0], _sig(0)) != 0
+    assert pol.rank([1, 0, 0, 0], _sig(0)).first != 0
     r.on_finish(0, "a")
     assert pol.is_empty()
     # under load: decoder k runs 6 requests of prototype k; a request of prototype 2 joins decoder 2
     for k in range(4):
         for i in range(6):
-            pol.on_dispatch(k, f"{k}-{i}", pol.last._replace(prototype=k, tokens=0))
-    assert pol.pick([6, 6, 6, 6], _sig(2)) == 2
-    assert int(np.argmin(pol.last.predicted_ms)) == 2
+            pol.on_dispatch(k, f"{k}-{i}", LiveDetail(prototype=k, tokens=0))
+    ranking = pol.rank([6, 6, 6, 6], _sig(2))
+    assert ranking.first == 2 and int(np.argmin(ranking.predicted_ms)) == 2
     # the load cap: decoder 2 far above the least loaded is not a candidate
-    assert pol.pick([6, 6, 20, 6], _sig(2)) != 2
+    assert pol.rank([6, 6, 20, 6], _sig(2)).first != 2
     for k in range(4):
         for i in range(6):
             pol.on_finish(k, f"{k}-{i}")
@@ -99,37 +98,36 @@ def test_replicas_vectors_sum_to_a_single_router():
     rng = np.random.default_rng(0)
     for i in range(40):
         w, m = int(rng.integers(4)), int(rng.integers(4))
-        one.pick([0] * 4, _sig(m), tokens=10 + i)
-        detail = one.last
+        detail = one.rank([0] * 4, _sig(m), tokens=10 + i).detail
         one.on_dispatch(w, i, detail)
         (a if i % 2 else b).on_dispatch(w, i, detail)
     for w in range(4):
-        a.apply_remote(w, b.local_vector(w))
-        b.apply_remote(w, a.local_vector(w))
+        a.merge_state(w, b.export_state(w))
+        b.merge_state(w, a.export_state(w))
     for rep in (a, b):
         np.testing.assert_allclose(rep.idle_probabilities(), one.idle_probabilities(), rtol=1e-5)
         assert (rep.tokens + rep.remote_tokens == one.tokens).all()
         for m in range(4):
-            assert rep.pick([5, 3, 4, 6], _sig(m), tokens=7) == one.pick([5, 3, 4, 6], _sig(m), tokens=7)
+            assert rep.rank([5, 3, 4, 6], _sig(m), tokens=7).first == one.rank([5, 3, 4, 6], _sig(m), tokens=7).first
     # the other replica's requests end: its vectors go back to zero and so does every q
     for i in range(0, 40, 2):
         b.on_finish(int(one.where[i][0]), i)
     for w in range(4):
-        a.apply_remote(w, b.local_vector(w))
+        a.merge_state(w, b.export_state(w))
     for i in range(1, 40, 2):
         a.on_finish(int(one.where[i][0]), i)
     for w in range(4):
-        b.apply_remote(w, a.local_vector(w))
+        b.merge_state(w, a.export_state(w))
     assert a.is_empty() and b.is_empty()
 
 
 def test_preference_order_for_the_replicas_reservation():
     """The choice first, then the decoders within the load cap by predicted cost, then the rest by cost."""
-    from eldr_cli.routing.live import LiveChoice, preference_order
+    from eldr_cli.routing.policies import Ranking
 
-    detail = LiveChoice(np.array([3.0, 1.0, 0.5, 2.0, 0.1]), 0, 0, slack=2)
-    assert preference_order(2, detail, [0, 1, 2, 3, 9]) == [2, 1, 0, 4, 3]  # cap 0 + 2: 3 and 4 are over
-    assert preference_order(4, detail, [0, 1, 2, 3, 9]) == [4, 2, 1, 0, 3]
+    ranking = Ranking(0, slack=2, predicted_ms=np.array([3.0, 1.0, 0.5, 2.0, 0.1]))
+    assert ranking.preference(2, [0, 1, 2, 3, 9]) == [2, 1, 0, 4, 3]  # cap 0 + 2: 3 and 4 are over
+    assert ranking.preference(4, [0, 1, 2, 3, 9]) == [4, 2, 1, 0, 3]
 
 
 def test_live_set_stays_exact_over_a_long_run_and_a_recount():
@@ -145,8 +143,8 @@ def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     for i in range(2 * RECOUNT_EVERY + 3000):  # > RECOUNT_EVERY changes on each decoder
         if len(live) < 24 or rng.random() < 0.5:
             w = int(rng.integers(K))
-            pol.pick([0] * K, None, tokens=3)
-            pol.on_dispatch(w, i, pol.last._replace(prototype=int(rng.integers(M1))))
+            detail = pol.rank([0] * K, None, tokens=3).detail
+            pol.on_dispatch(w, i, detail._replace(prototype=int(rng.integers(M1))))
             live.append((w, i))
         else:
             w, k = live.pop(int(rng.integers(len(live))))
@@ -162,7 +160,7 @@ def test_live_set_stays_exact_over_a_long_run_and_a_recount():
 def test_the_exact_recount_is_observed():
     """Float32 updates of log q drift from the exact sum; after RECOUNT_EVERY changes of a decoder the next
     refresh recounts it from the integer counts (local + remote): log q is then the float64 sum, rounded once."""
-    from eldr_cli.routing.live import RECOUNT_EVERY, LiveChoice
+    from eldr_cli.routing.live import RECOUNT_EVERY, LiveDetail
 
     rng = np.random.default_rng(2)
     M1 = 5
@@ -170,11 +168,11 @@ def test_the_exact_recount_is_observed():
     pol = make_router("eldr-live", 1, model=_model(rng.random((M1 - 1, L * E)), act, K=1)).policy
     # log(1 - a) as the policy stores it (float32), summed in float64
     log_idle = np.log1p(-act.reshape(M1, -1).astype(np.float64)).astype(np.float32).astype(np.float64)
-    pol.apply_remote(0, [2, 0, 1, 0, 0, 0])  # another replica's requests count in the recount too
+    pol.merge_state(0, [2, 0, 1, 0, 0, 0])  # another replica's requests count in the recount too
     live: list = []
     for i in range(RECOUNT_EVERY - 2):  # changes without a refresh in between: the float32 sum drifts
         if len(live) < 12 or (rng.random() < 0.5 and len(live) < 40):
-            pol.on_dispatch(0, i, LiveChoice(np.zeros(1), int(rng.integers(M1)), 1))
+            pol.on_dispatch(0, i, LiveDetail(int(rng.integers(M1)), 1))
             live.append(i)
         else:
             pol.on_finish(0, live.pop(int(rng.integers(len(live)))))
@@ -182,7 +180,7 @@ def test_the_exact_recount_is_observed():
     exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
     pol.idle_probabilities()
     assert np.abs(pol.log_q[0] - exact).max() > 0  # drifted: the check below is not vacuous
-    pol.on_dispatch(0, "last", LiveChoice(np.zeros(1), 3, 1))  # the RECOUNT_EVERY-th change
+    pol.on_dispatch(0, "last", LiveDetail(3, 1))  # the RECOUNT_EVERY-th change
     exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
     pol.idle_probabilities()
     np.testing.assert_array_equal(pol.log_q[0], exact)  # recounted: exact, bit for bit

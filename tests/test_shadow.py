@@ -101,5 +101,5 @@ def test_a_shadow_the_artifact_cannot_build_is_refused_and_the_proxy_serves(capl
 
 
 def test_unknown_shadow_is_a_user_error():
-    with pytest.raises(EldrError, match="unknown shadow policy 'best'"):
+    with pytest.raises(EldrError, match="unknown policy 'best'; expected one of eldr, eldr-live"):
         build_config(None, prefill=["http://a:1"], decode=["http://b:1"], policy="jsq", shadow=["best"])

@@ -268,7 +268,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
 
     from eldr_cli.bench.results import MODES, write_bench
     from eldr_cli.bench.workload import load_prompts
-    from eldr_cli.routing.policies import POLICIES
+    from eldr_cli.routing.registry import check_policy
 
     if not (url.startswith("http://") or url.startswith("https://")):
         raise EldrError(f"--url {url!r} is not an http(s) URL")
@@ -278,8 +278,7 @@ def run_bench(out, *, url: str, prompts, rates: list[float], duration_s: float =
         if not r > 0:
             raise EldrError(f"rate {r!r} is not a positive number of requests per second")
     for name in routers or []:
-        if name not in POLICIES:
-            raise EldrError(f"unknown router {name!r}; expected one of {', '.join(POLICIES)}")
+        check_policy(name, servable=True)
     decode_urls = None
     cluster = None
     if cluster_file is not None:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from eldr_cli.commands._common import checked, force_option, replacing, split_option, tau_option
+from eldr_cli.routing.registry import policy_help
 
 place_app = typer.Typer(
     help="Per-decoder expert placement for expert-parallel decoders (ELDR §5) + global EPLB and contiguous "
@@ -64,7 +65,7 @@ def evaluate_cmd(
                                        help="Evaluation artifact (default: PLACEMENT/../placement-eval)."),
     batch_size: int = typer.Option(8, "--batch-size", "-B", callback=checked("batch_size"),
                                    help="Decode concurrency per decoder (K*B in flight)."),
-    policy: str = typer.Option("eldr", "--policy", help="eldr|round-robin|random|jsq|p2c|domain"),
+    policy: str = typer.Option("eldr", "--policy", help=policy_help()),
     tau: Optional[float] = tau_option(),
     split: str = split_option("evaluation", help="Requests to replay."),
     seed: int = typer.Option(0, "--seed"),

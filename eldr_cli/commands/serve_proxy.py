@@ -7,14 +7,15 @@ from typing import List, Optional
 
 import typer
 
+from eldr_cli.routing.registry import policy_help
+
 
 def serve_proxy_cmd(
     routing: Optional[Path] = typer.Option(None, "--routing", help="Routing (or fit) artifact from `eldr fit`."),
     prefill: List[str] = typer.Option([], "--prefill", help="Prefill worker URL (repeatable)."),
     decode: List[str] = typer.Option([], "--decode", help="Decode worker URL (repeatable); position i = centroid i."),
     policy: Optional[str] = typer.Option(None, "--policy",
-                                         help="eldr-live (default), eldr, round-robin, jsq, p2c, random or "
-                                              "domain."),
+                                         help=policy_help(default="eldr-live")),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model",
                                               help="Cost-model artifact eldr-live predicts step times with "
                                                    "(default: a relative shape of the paper's Fig. 2)."),

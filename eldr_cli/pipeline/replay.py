@@ -23,6 +23,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import LOAD_BALANCERS, ROUTERS
+from eldr_cli.routing.registry import check_policy
 
 REPLAY_POLICIES = ROUTERS
 DEFAULT_BATCHES = (1, 4, 16, 64)
@@ -114,8 +115,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
 
     policies = list(policies or [p for p in REPLAY_POLICIES])
     for p in policies:
-        if p not in REPLAY_POLICIES:
-            raise EldrError(f"unknown policy {p!r}; expected one of {', '.join(REPLAY_POLICIES)}")
+        check_policy(p)
     sizes = sorted({int(b) for b in batch_sizes})
     for b in sizes:
         checks.check_batch_size(b, flag="--batch-sizes")

@@ -18,6 +18,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.pipeline.capacity import LOAD_BALANCERS
+from eldr_cli.routing.registry import check_policy
 
 DEFAULT_DEVICE = "H100-SXM"
 DEFAULT_DTYPES = ("bf16", "fp8")
@@ -197,8 +198,7 @@ def _routers(routers) -> list[str]:
 
     names = list(routers) if routers else [r for r in SIM_POLICIES if r != "domain"]
     for r in names:
-        if r not in SIM_POLICIES:
-            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(SIM_POLICIES)}")
+        check_policy(r)
     if not any(r in LOAD_BALANCERS for r in names):
         raise EldrError("the report compares against the best load balancer: give at least one of "
                         + ", ".join(LOAD_BALANCERS))

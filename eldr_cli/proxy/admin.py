@@ -15,6 +15,7 @@ from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.config import check_worker_url
 from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
 from eldr_cli.routing import RoutingModel
+from eldr_cli.routing.registry import check_policy
 
 log = logging.getLogger("eldr.proxy")
 
@@ -27,6 +28,7 @@ def validate_policy_change(body: dict[str, Any], *, policy: str, tau: float | No
     name = body.get("policy", policy)
     if not isinstance(name, str):
         raise InvalidParameterError("policy", f"policy must be a name, got {name!r}")
+    check_policy(name, servable=True)
     new_tau = body.get("tau", tau)
     return name, None if new_tau is None else validate_parameter("tau", new_tau)
 
@@ -125,7 +127,7 @@ class AdminMixin(AppParts):
         st = self.state
         try:
             name, tau = validate_policy_change(body, policy=st.policy_name, tau=st.tau_override)
-        except InvalidParameterError as e:
+        except EldrError as e:  # a bad tau, or a name the registry does not hold
             raise Refused(str(e)) from None
         try:
             router = st.make(name, len(st.decode), st.model, tau)

@@ -114,17 +114,19 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
     def local_vectors(self) -> dict[str, dict[str, list[int]]]:
         """A stateful policy's per-decoder live state, read when the counts are published (eldr-live)."""
-        pol = self.state.router.policy
-        if not hasattr(pol, "local_vector"):
-            return {}
-        return {"live": {w.id: pol.local_vector(i) for i, w in enumerate(self.state.decode.workers)}}
+        router, vecs = self.state.router, {}
+        for i, w in enumerate(self.state.decode.workers):
+            v = router.export_state(i)
+            if v is None:  # the policy shares nothing
+                return {}
+            vecs[w.id] = v
+        return {"live": vecs}
 
     def remote_vectors_changed(self) -> None:
         """The other replicas' summed vectors arrived (``Worker.remote_vectors``): into the policy."""
-        pol = self.state.router.policy
-        if hasattr(pol, "apply_remote"):
-            for i, w in enumerate(self.state.decode.workers):
-                pol.apply_remote(i, w.remote_vectors.get("live"))
+        router = self.state.router
+        for i, w in enumerate(self.state.decode.workers):
+            router.merge_state(i, w.remote_vectors.get("live"))
 
     def _open(self, w: Worker) -> None:
         # one keep-alive pool per upstream worker

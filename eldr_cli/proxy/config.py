@@ -14,7 +14,7 @@ from typing import Any
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError
-from eldr_cli.routing.policies import POLICIES
+from eldr_cli.routing.registry import NEEDS_ROUTING, check_policy
 
 
 @dataclass
@@ -64,8 +64,8 @@ class ProxyConfig:
     workers: int = 1                    # processes behind one port (SO_REUSEPORT)
 
     def validate(self) -> "ProxyConfig":
-        if self.policy is not None and self.policy not in POLICIES:
-            raise EldrError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        if self.policy is not None:
+            check_policy(self.policy, servable=True)
         if not self.prefill:
             raise EldrError("no prefill worker given", hint="pass --prefill URL (repeatable)")
         if not self.decode:
@@ -76,7 +76,7 @@ class ProxyConfig:
         validate_parameter("port", self.port, what="--port")
         validate_parameter("workers", self.workers, what="--workers")
         self._validate_state()
-        if self.policy in (None, "eldr", "eldr-live", "domain") and not self.routing:
+        if (self.policy is None or self.policy in NEEDS_ROUTING) and not self.routing:
             what = f"policy {self.policy!r}" if self.policy else "the default policy (eldr-live)"
             raise EldrError(f"{what} needs a routing artifact",
                             hint="pass --routing DIR, or --policy round-robin|jsq|p2c|random")
@@ -87,8 +87,7 @@ class ProxyConfig:
         if self.health_fail_threshold < 1 or self.health_success_threshold < 1:
             raise EldrError("health thresholds must be >= 1")
         for name in self.shadow:
-            if name not in POLICIES:
-                raise EldrError(f"unknown shadow policy {name!r}; expected one of {', '.join(POLICIES)}")
+            check_policy(name, servable=True)
         if self.decision_log:
             check_decision_log_path(str(self.decision_log))
         elif self.decision_log_replay:

@@ -2,7 +2,9 @@
 
 Row: ts (unix s), request_id, policy, tau, signature ("ok"|"missing"|"malformed"), similarities [K]
 (eldr only), band [worker positions] (eldr's locality band), predicted_ms [K] (eldr-live), loads [K] as
-seen by the policy, chosen (position), worker (id), domain, decision_us. ``.jsonl`` files are appended
+seen by the policy, chosen (position of the worker used), worker (its id), first (id of the ranking's first
+choice: differs from worker when it was down or the replicas' reservation moved the request), domain,
+decision_us. ``.jsonl`` files are appended
 line by line; ``.parquet`` paths get numbered part files ``<stem>-00000.parquet`` every ``rows_per_part``
 rows and at shutdown.
 
@@ -39,13 +41,14 @@ log = logging.getLogger("eldr.proxy")
 
 
 def decision_row(d: Any, rid: str, policy: str, tau: float | None, signature: str, loads: Any, worker_id: str,
-                 domain: str | None, seconds: float) -> dict[str, Any]:
+                 domain: str | None, seconds: float, first_id: str | None = None) -> dict[str, Any]:
     """The row of one decision (``d``: an :class:`eldr_cli.routing.Decision`)."""
     return {"ts": time.time(), "request_id": rid, "policy": policy, "tau": tau, "signature": signature,
             "similarities": None if d.similarities is None else d.similarities.tolist(),
             "band": None if d.band is None else d.band.tolist(),
             "predicted_ms": None if d.predicted_ms is None else [round(float(x), 4) for x in d.predicted_ms],
             "loads": [int(x) for x in loads], "chosen": d.worker, "worker": worker_id,
+            "first": worker_id if first_id is None else first_id,
             "domain": domain, "decision_us": round(seconds * 1e6, 2)}
 
 

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,57 +29,13 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
-from eldr_cli.proxy.replicas.reserve import Slot, reserve_decode
+from eldr_cli.proxy.replicas.reserve import reserve_decode
+from eldr_cli.proxy.request import RequestContext, context_tokens, prefill_body
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker, prompt_key
 from eldr_cli.routing import Decision, DecodeRouter
 
 log = logging.getLogger("eldr.proxy")
-
-PREFILL_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
-@dataclass
-class RequestContext:
-    """What the proxy knows about one client request while it is served (and logs at the end)."""
-
-    rid: str
-    endpoint: str                      # "completions" | "chat"
-    domain: str | None = None          # X-Eldr-Domain (the Domain baseline's oracle label)
-    auth: bytes | None = None          # the client's Authorization header, passed upstream
-    t0: float = field(default_factory=time.perf_counter)
-    prefill: str | None = None         # worker ids as chosen
-    decode: str | None = None
-    policy: str | None = None
-    reason: str | None = None          # why the request did not end "ok"
-    delivered: bool = False            # [DONE] (or the whole answer) reached the client
-    reserved: Slot | None = None       # the decode slot reserved in the shared state
-
-
-def _context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:
-    """The KV tokens the request will hold on its decoder, on average over its decode: the prompt (from the
-    prefill answer's usage) plus half its output budget. None when the prefill worker did not say."""
-    usage = answer.get("usage")
-    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
-        return None
-    out = body.get("max_completion_tokens", body.get("max_tokens"))
-    return prompt + (out // 2 if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0)
-
-
-def _prefill_body(body: dict[str, Any]) -> bytes:
-    """The prefill leg's body: one token, not streamed, asking for remote decode (vLLM's PD protocol)."""
-    pre = dict(body)
-    pre["stream"] = False
-    pre["max_tokens"] = 1
-    if "max_completion_tokens" in pre:
-        pre["max_completion_tokens"] = 1
-    pre.pop("min_tokens", None)
-    pre.pop("stream_options", None)
-    pre["kv_transfer_params"] = dict(PREFILL_KTP)
-    return orjson.dumps(pre)
-
 
 class ExchangeMixin(AppParts):
     """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
@@ -193,7 +148,7 @@ class ExchangeMixin(AppParts):
             headers.append(("authorization", ctx.auth.decode("latin-1")))
 
         # 1. prefill leg (one retry on another worker)
-        pre_raw = _prefill_body(body)
+        pre_raw = prefill_body(body)
         key = prompt_key(body, ctx.endpoint == "chat")
         pw = st.prefix.choose(st.prefill, key)
         failures = []
@@ -230,22 +185,54 @@ class ExchangeMixin(AppParts):
         replay = observe_handoff(self, ctx.t0, answer, body, ktp)  # drift watch; the decision log's replay fields
         counts, sig_state = self._handoff_counts(ktp)
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
-        tokens = _context_tokens(answer, body)
-        choice = self._decide(ctx, router, counts, sig_state, tokens, replay)
-        choice, ctx.reserved = await reserve_decode(st, choice)  # replicas: one atomic slot in Redis
+        tokens = context_tokens(answer, body)
+        choice, loads, dt = self._decide(ctx, router, counts, sig_state, tokens)
+        self._hold(ctx, router, choice)  # in the live set and the worker's load before anything awaits
+        try:
+            # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)
+            choice, ctx.reserved = await reserve_decode(st, choice)
+            if choice.worker != ctx.decode_index:
+                self._release_hold(ctx, router)
+                self._hold(ctx, router, choice)
+            self._record(ctx, router, choice, sig_state, loads, dt, (counts, tokens, replay))
+            dec = dict(body)
+            dec["kv_transfer_params"] = ktp
+            leg = (path, orjson.dumps(dec), headers, bool(body.get("stream")))
+            return await self._decode_legs(ctx, router, choice, counts, tokens, leg, send, rid_h)
+        finally:
+            self._release_hold(ctx, router)
 
-        # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
-        dec = dict(body)
-        dec["kv_transfer_params"] = ktp
-        dec_raw = orjson.dumps(dec)
-        stream = bool(body.get("stream"))
+    def _hold(self, ctx: RequestContext, router: DecodeRouter, choice: Decision) -> None:
+        """The request is on ``choice.worker`` from now on: in the router's live set and in that worker's in-flight
+        count (which the next decisions' loads read), whatever awaits follow."""
+        router.on_dispatch(choice, ctx.rid)
+        w = self.state.decode.workers[choice.worker]
+        w.inflight += 1
+        ctx.decode_index, ctx.held = choice.worker, w
+        self.state.shared.note_change()
+
+    def _release_hold(self, ctx: RequestContext, router: DecodeRouter) -> None:
+        """The request left the worker :meth:`_hold` put it on (finished, failed, cancelled or moved)."""
+        if ctx.held is None or ctx.decode_index is None:
+            return
+        router.on_finish(ctx.decode_index, ctx.rid)
+        ctx.held.inflight -= 1
+        ctx.held, ctx.decode_index = None, None
+        self.state.shared.note_change()
+
+    async def _decode_legs(self, ctx: RequestContext, router: DecodeRouter, choice: Decision, counts: Any,
+                           tokens: int | None, leg: tuple[str, bytes, list[tuple[str, str]], bool], send: Send,
+                           rid_h: tuple[bytes, bytes]) -> str:
+        """3. decode leg (streamed back as it comes); a connect failure retries once elsewhere. The request is in
+        the router's live set on ``choice.worker``; a retry moves it (finish there, dispatch on the new one)."""
+        st, m = self.state, self.metrics
+        path, dec_raw, headers, stream = leg
         tried = set()
         while True:
             idx = choice.worker
             dw = st.decode.workers[idx]
             tried.add(dw.id)
             ctx.decode = dw.id
-            router.on_dispatch(choice, ctx.rid)
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
             except ConnectFailed as e:
@@ -257,10 +244,10 @@ class ExchangeMixin(AppParts):
                     await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
                     return "upstream_error"
                 m.child(m.retries, "decode").inc()
-            finally:
-                router.on_finish(idx, ctx.rid)
+            self._release_hold(ctx, router)  # no await from here to the new dispatch
             choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
                                    healthy=up, tokens=tokens)
+            self._hold(ctx, router, choice)
 
     def _handoff_counts(self, ktp: dict[str, Any] | None) -> tuple[Any, str]:
         """The handed-off prefill counts [L, E] (None when missing, malformed or not needed) and their state."""
@@ -277,13 +264,20 @@ class ExchangeMixin(AppParts):
             return None, "malformed"
 
     def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
-                tokens: int | None, replay: dict[str, Any] | None = None) -> Decision:
-        st, m = self.state, self.metrics
+                tokens: int | None) -> tuple[Decision, list[int], float]:
+        """The router's decision, the loads it saw and the seconds it took (recorded by :meth:`_record` once the
+        reservation has said where the request goes)."""
+        st = self.state
         t0 = time.perf_counter()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        healthy = [w.healthy for w in st.decode.workers]
-        d = router.decide(counts, loads, domain=ctx.domain, healthy=healthy, tokens=tokens)
-        dt = time.perf_counter() - t0
+        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
+                          tokens=tokens)
+        return d, loads, time.perf_counter() - t0
+
+    def _record(self, ctx: RequestContext, router: DecodeRouter, d: Decision, sig_state: str, loads: list[int],
+                dt: float, request: tuple[Any, int | None, dict[str, Any] | None]) -> None:
+        """Metrics and decision log of ``d`` as followed: the worker used, the ranking's first choice beside it."""
+        st, m = self.state, self.metrics
         if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
             sig_state = "malformed"
             m.child(m.signature_missing, sig_state).inc()
@@ -292,15 +286,22 @@ class ExchangeMixin(AppParts):
         m.child(m.decision_seconds, pname).observe(dt)
         if d.band is not None:
             m.band_size.observe(len(d.band))
-        wid = st.decode.workers[d.worker].id
+        workers = st.decode.workers
+        wid = workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
-        row = None if self.decision_log is None else \
-            decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt) | (replay or {})
+        if d.first != d.worker:
+            m.child(m.moved, pname).inc()
+        counts, tokens, replay = request
+        row = None
+        if self.decision_log is not None:
+            first = workers[d.first].id if 0 <= d.first < len(workers) else None
+            row = decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt,
+                               first) | (replay or {})
         if self.shadow is not None:  # the shadows decide right after this request is dispatched, then log the row
-            self.shadow.later(ctx.rid, counts, d, ctx.domain, healthy, tokens, row, self.decision_log)
+            self.shadow.later(ctx.rid, counts, d, ctx.domain, [w.healthy for w in workers], tokens, row,
+                              self.decision_log)
         elif row is not None and self.decision_log is not None:
             self.decision_log.write(row)
-        return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1
@@ -336,9 +337,7 @@ class ExchangeMixin(AppParts):
                           stream: bool, send: Send, rid_h: tuple[bytes, bytes]) -> str:
         m = self.metrics
         rt = self.cfg.decode_read_timeout_s
-        w.inflight += 1
-        self.state.shared.note_change()
-        resp = None
+        resp = None  # w's in-flight count is held by _pd (from the decision on)
         try:
             try:
                 resp = await w.pool().request("POST", path, raw, headers, timeout=rt)
@@ -393,8 +392,6 @@ class ExchangeMixin(AppParts):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return "ok"
         finally:
-            w.inflight -= 1
-            self.state.shared.note_change()
             self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

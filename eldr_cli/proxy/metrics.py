@@ -90,8 +90,10 @@ class ProxyMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("eldr_proxy_requests", "Client requests by endpoint and terminal outcome",
                                 ["endpoint", "outcome"], registry=r)
-        self.decisions = Counter("eldr_proxy_decisions", "Decode routing decisions by policy and chosen worker",
-                                 ["policy", "worker"], registry=r)
+        self.decisions = Counter("eldr_proxy_decisions", "Decode routing decisions by policy and the worker used "
+                                 "(after the replicas' reservation)", ["policy", "worker"], registry=r)
+        self.moved = Counter("eldr_proxy_decisions_moved", "Decisions whose worker differs from the policy's first "
+                             "choice (that one down, or moved by the replicas' reservation)", ["policy"], registry=r)
         self.prefill_dispatch = Counter("eldr_proxy_prefill_dispatch", "Prefill legs sent per worker",
                                         ["worker"], registry=r)
         self.decision_seconds = Histogram(

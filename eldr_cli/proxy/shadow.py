@@ -23,7 +23,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import Decision, DecodeRouter
-from eldr_cli.routing.live import LiveChoice
+from eldr_cli.routing.live import LiveDetail
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
@@ -140,7 +140,7 @@ class ShadowSet:
             d = sh.router.decide(counts, sh.loads, domain=domain, healthy=healthy, tokens=tokens)
             sh.router.on_dispatch(d, rid)
             sh.loads[d.worker] += 1
-            if isinstance(d.detail, LiveChoice):
+            if isinstance(d.detail, LiveDetail):
                 known = d.detail
             if sh.predictor is not None and sh.predictor is not sh.router.policy:
                 known = self._detail(counts, d, tokens, known)
@@ -159,9 +159,9 @@ class ShadowSet:
     def _detail(self, counts: Any, d: Decision, tokens: int | None, known: Any) -> Any:
         """A predictor's record of a request (nearest prototype, tokens): the decision's own when it is
         eldr-live's, else one already found for this request, else from the counts (Eq. 2 once)."""
-        if isinstance(d.detail, LiveChoice):
+        if isinstance(d.detail, LiveDetail):
             return d.detail
-        if isinstance(known, LiveChoice):
+        if isinstance(known, LiveDetail):
             return known
         pred = self.live_predictor or next(sh.predictor for sh in self.shadows if sh.predictor is not None)
         m = pred.act.shape[0] - 1
@@ -171,7 +171,7 @@ class ShadowSet:
                 m = int((pred.protos @ sig.astype(np.float32)).argmax())
             except EldrError:
                 pass
-        return LiveChoice(np.zeros(0), m, int(tokens or 0))
+        return LiveDetail(m, int(tokens or 0))
 
     def finish(self, rid: str) -> None:
         """Request ``rid`` ended (whatever its outcome): its shadow placements end with it."""

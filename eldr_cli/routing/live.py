@@ -22,7 +22,12 @@ in ELDR; the cap bounds how uneven batches may get (the tail). B_d are the loads
 + remote in the proxy).
 
 Replicas share the live set as integer counts per (decoder, prototype) plus context tokens
-(:meth:`EldrLivePolicy.local_vector` / :meth:`EldrLivePolicy.apply_remote`), which sum across replicas.
+(:meth:`EldrLivePolicy.export_state` / :meth:`EldrLivePolicy.merge_state`), which sum across replicas.
+
+The ranking it returns holds the predicted costs and the load cap (slack): the replicas' reservation tries its
+choice, then the other decoders within the cap, then the rest, each by predicted cost (``Ranking.preference``),
+and Redis reserves the first whose slots over all replicas are within the slack of the least, so the cap is
+enforced on exact counts rather than on this replica's stale view of the others.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
-from eldr_cli.routing.policies import Policy
+from eldr_cli.routing.policies import Policy, Ranking
 
 # Without a cost model: the shape of the paper's Fig. 2 (MI300X, Qwen3-30B-A3B, batch 64: 16 -> 128
 # active experts raise a layer's latency 4.7x; batch barely moves it), in units of one expert's read.
@@ -48,21 +53,11 @@ LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the l
 LOAD_CAP_FRACTION = 0.25  # ... or this share of the mean load, whichever is larger
 
 
-class LiveChoice(NamedTuple):
-    predicted_ms: np.ndarray  # [K] cost_d (ms, or relative units without a cost model)
+class LiveDetail(NamedTuple):
+    """What eldr-live needs back at dispatch (``Ranking.detail``): the request's prototype and context tokens."""
+
     prototype: int
     tokens: int
-    slack: int = 0  # the load cap over the least loaded (replicas: see preference_order)
-
-
-def preference_order(choice: int, detail: LiveChoice, loads) -> list[int]:
-    """Every decoder in eldr-live's order of preference for the replicas' reservation (proxy.replicas.reserve): its
-    choice, then the others within the load cap, then the rest, each by predicted cost. Redis reserves the
-    first whose slots over all replicas are within ``detail.slack`` of the least, so the cap is enforced on
-    exact counts rather than on this replica's stale view of the others. Built only when a replica reserves."""
-    cost = detail.predicted_ms.tolist()
-    cap = min(loads) + detail.slack
-    return [choice, *sorted((k for k in range(len(cost)) if k != choice), key=lambda k: (loads[k] > cap, cost[k]))]
 
 
 def step_form(cost, n_layers: int) -> tuple[float, ...]:
@@ -119,10 +114,9 @@ class EldrLivePolicy(Policy):
         self.where: dict[Any, tuple[int, int, int]] = {}
         self.last_dispatch = [0] * n_workers  # ties go to the decoder that was sent a request longest ago
         self._seq = 0
-        self.last: LiveChoice | None = None
 
     # -- the decision ---------------------------------------------------------------------------------
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
         if self._dirty:
             self._refresh()
         m = self.act.shape[0] - 1 if signature is None else \
@@ -152,17 +146,11 @@ class EldrLivePolicy(Policy):
         least = min(cl[k] for k in cand)
         best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        self.last = LiveChoice(cost, m, c_new, slack)
-        return w
-
-    def reservation(self, worker, detail, loads) -> tuple[list[int], int] | None:
-        if not isinstance(detail, LiveChoice):
-            return None
-        return preference_order(worker, detail, loads), detail.slack
+        return Ranking(w, slack=slack, predicted_ms=cost, detail=LiveDetail(m, c_new))
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
-        m, tok = (detail.prototype, detail.tokens) if isinstance(detail, LiveChoice) else (self.act.shape[0] - 1, 0)
+        m, tok = (detail.prototype, detail.tokens) if isinstance(detail, LiveDetail) else (self.act.shape[0] - 1, 0)
         old = self.where.pop(key, None)
         if old is not None:  # dispatched again (a retry elsewhere) without a finish: move it
             self._remove(*old)
@@ -229,12 +217,12 @@ class EldrLivePolicy(Policy):
                     or self.remote_tokens.any() or self.log_q.any())
 
     # -- replicas: integer vectors that sum ------------------------------------------------------------
-    def local_vector(self, worker: int) -> list[int]:
+    def export_state(self, worker: int) -> list[int]:
         """This replica's live set on ``worker``: requests per prototype, then context tokens."""
         return [*self.counts[worker].tolist(), int(self.tokens[worker])]
 
-    def apply_remote(self, worker: int, vector: list[int] | None) -> None:
-        """The other replicas' summed :meth:`local_vector` of ``worker`` (None or [] when there are none)."""
+    def merge_state(self, worker: int, vector: list[int] | None) -> None:
+        """The other replicas' summed :meth:`export_state` of ``worker`` (None or [] when there are none)."""
         M1 = self.counts.shape[1]
         new = np.zeros(M1, dtype=np.int64) if not vector or len(vector) != M1 + 1 else np.asarray(vector[:M1])
         delta = new - self.remote[worker]

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from eldr_cli.routing.policies import BandDecision, Policy, jsq, locality_band
+from eldr_cli.routing.policies import Policy, Ranking, band_ranking, jsq
 
 
 def decode_patterns(decode_counts: np.ndarray) -> np.ndarray:
@@ -56,18 +56,16 @@ class OraclePolicy(Policy):
 
     name = "oracle"
     needs_signature = True
+    needs_counts = False  # its signature is the request's own decode pattern, looked up by the request's key
 
     def __init__(self, n_workers: int, oracle: OracleModel, tau: float | None = None):
         self.oracle = oracle
         self.tau = oracle.tau if tau is None else float(tau)
-        self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
         if signature is None or not math.isfinite(float(np.abs(signature).sum())) or not signature.any():
-            self.last = None
-            return jsq(loads)
-        self.last = locality_band(signature, self.oracle.centroids, loads, self.tau)
-        return self.last.worker
+            return Ranking(jsq(loads))
+        return band_ranking(signature, self.oracle.centroids, loads, self.tau)
 
 
 def fit_oracle(decode_counts: np.ndarray, rows: np.ndarray, n_workers: int, *, model=None,

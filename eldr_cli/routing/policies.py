@@ -3,21 +3,23 @@
 they hold a router built by :func:`eldr_cli.routing.router.make_router`.
 
 - :func:`locality_band` is the pure ELDR decision over (signature, centroids, loads, tau);
-- every policy implements ``pick(loads, signature, domain) -> worker index`` and may keep per-request state
-  through ``on_dispatch`` / ``on_finish``.
+- every policy implements ``rank(loads, signature, domain, tokens) -> Ranking``: a value holding its first
+  choice, the candidates in order of preference, their predicted costs, the load cap (slack) it allows and
+  what it needs back at dispatch; nothing is read back from a policy's attributes. Stateful policies follow
+  each request's life through ``on_dispatch`` / ``on_finish`` and share their state across replicas through
+  ``export_state`` / ``merge_state``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
-
-POLICIES = ("eldr", "eldr-live", "round-robin", "random", "jsq", "p2c", "domain")
 
 
 class BandDecision(NamedTuple):
@@ -45,6 +47,36 @@ def locality_band(signature: np.ndarray, centroids: np.ndarray, loads: Sequence[
     return BandDecision(int(worker), sims, band)
 
 
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """What a policy answers for one request: its first choice and how it ranks the others.
+
+    ``slack``: the load cap over the least loaded that the replicas' reservation may allow (None: the policy
+    does not reserve; its choice stands); ``candidates``: the workers the reservation may choose among, in order
+    of preference (None: every worker, by ``predicted_ms`` within the cap, then the rest); ``detail``: what the
+    policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens).
+    """
+
+    first: int
+    slack: int | None = None
+    candidates: tuple[int, ...] | None = None
+    similarities: np.ndarray | None = None  # [K] cosine to each centroid (band policies)
+    band: np.ndarray | None = None          # worker indices inside the locality band
+    predicted_ms: np.ndarray | None = None  # [K] predicted cost per candidate (eldr-live)
+    detail: Any = None
+
+    def preference(self, worker: int, loads: Sequence[int]) -> list[int]:
+        """The reservation's candidates in order of preference when the decision is ``worker`` (the first
+        choice, or the healthy stand-in for it): ``candidates`` as given; without them, ``worker``, then the
+        others within ``slack`` of the least loaded, then the rest, each by predicted cost (index without one)."""
+        if self.candidates is not None:
+            return list(self.candidates)
+        n = len(loads)
+        cost = self.predicted_ms.tolist() if self.predicted_ms is not None else list(range(n))
+        cap = min(loads) + (self.slack or 0)
+        return [worker, *sorted((k for k in range(n) if k != worker), key=lambda k: (loads[k] > cap, cost[k]))]
+
+
 def jsq(loads) -> int:
     """Join-shortest-queue: the least-loaded worker, ties to the lowest index."""
     return int(np.argmin(np.asarray(loads)))
@@ -58,28 +90,30 @@ class Policy:
 
     name = "policy"
     needs_signature = False
+    needs_counts = True     # with needs_signature: the signature is computed from the request's prefill counts
     unit_signature = True  # False: the policy only ranks dot products with the signature (scale-free)
 
     def __init__(self, n_workers: int, **_: Any) -> None:
         """Every policy is built from the worker count and the factory's keywords (each takes what it needs)."""
 
-    def pick(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
-             tokens: int | None = None) -> int:
+    def rank(self, loads, signature: np.ndarray | None = None, domain: str | None = None,
+             tokens: int | None = None) -> Ranking:
         """``tokens``: the context tokens the request will hold on its decoder (cost-aware policies)."""
         raise NotImplementedError
 
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
-        """A request (``key``) was sent to ``worker``; ``detail`` is what this policy's pick left in
-        ``last`` for it."""
+        """A request (``key``) was sent to ``worker`` (again: moved there); ``detail`` is its ranking's."""
 
     def on_finish(self, worker: int, key: Any) -> None:
         """The request ``key`` left ``worker`` (finished, failed or cancelled)."""
 
-    def reservation(self, worker: int, detail: Any, loads) -> tuple[list[int], int] | None:
-        """For the replicas' atomic reservation (``eldr_cli.proxy.replicas.reserve``): the candidate decoders in order
-        of preference and the slack over the least reserved that Redis may allow, for the decision ``worker``
-        with ``detail`` (what pick left in ``last``); None: this policy does not reserve (its choice stands)."""
+    # -- what a stateful policy shares across replicas (integer vectors that sum) ----------------------
+    def export_state(self, worker: int) -> list[int] | None:
+        """This replica's share of the policy's state on ``worker``; None: the policy shares nothing."""
         return None
+
+    def merge_state(self, worker: int, vector: list[int] | None) -> None:
+        """The other replicas' summed :meth:`export_state` of ``worker`` (None or [] when there are none)."""
 
 
 class RoundRobin(Policy):
@@ -89,10 +123,10 @@ class RoundRobin(Policy):
         self.n = n_workers
         self._next = 0
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
         w = self._next % len(loads)
         self._next = w + 1
-        return w
+        return Ranking(w)
 
 
 class RandomPolicy(Policy):
@@ -101,8 +135,8 @@ class RandomPolicy(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
-        return int(self.rng.integers(len(loads)))
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
+        return Ranking(int(self.rng.integers(len(loads))))
 
 
 class JSQ(Policy):
@@ -111,11 +145,8 @@ class JSQ(Policy):
     def __init__(self, n_workers: int, **_):
         pass
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
-        return jsq(loads)
-
-    def reservation(self, worker, detail, loads) -> tuple[list[int], int]:
-        return list(range(len(loads))), 0  # the least reserved of all
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
+        return Ranking(jsq(loads), slack=0, candidates=tuple(range(len(loads))))  # reserved: the least of all
 
 
 class P2C(Policy):
@@ -126,12 +157,12 @@ class P2C(Policy):
     def __init__(self, n_workers: int, seed: int = 0, **_):
         self.rng = np.random.default_rng(seed)
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
         n = len(loads)
         if n == 1:
-            return 0
+            return Ranking(0)
         a, b = self.rng.choice(n, size=2, replace=False)
-        return int(a if loads[a] <= loads[b] else b)
+        return Ranking(int(a if loads[a] <= loads[b] else b))
 
 
 def split_workers_by_share(shares: dict[str, float], n_workers: int) -> dict[str, list[int]]:
@@ -170,13 +201,13 @@ class DomainPolicy(Policy):
         self.groups = split_workers_by_share(domain_share, n_workers)
         self.unlabelled = 0
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
         group = self.groups.get(domain) if domain is not None else None
         if group is None:
             self.unlabelled += 1
-            return jsq(loads)
+            return Ranking(jsq(loads))
         ld = np.asarray(loads)[group]
-        return int(group[int(np.argmin(ld))])
+        return Ranking(int(group[int(np.argmin(ld))]))
 
 
 class EldrPolicy(Policy):
@@ -193,25 +224,15 @@ class EldrPolicy(Policy):
                             "decode workers", hint=f"refit with `eldr fit --decoders {n_workers}`")
         self.model = model
         self.tau = model.tau if tau is None else float(tau)
-        self.last: BandDecision | None = None
 
-    def pick(self, loads, signature=None, domain=None, tokens=None) -> int:
-        if signature is None:
-            self.last = None
-            return jsq(loads)
-        self.last = locality_band(signature, self.model.centroids, loads, self.tau)
-        return self.last.worker
-
-    def reservation(self, worker, detail, loads) -> tuple[list[int], int]:
-        band = getattr(detail, "band", None)  # no signature: JSQ over all
-        return ([int(k) for k in band] if band is not None else list(range(len(loads)))), 0
+    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
+        return band_ranking(signature, self.model.centroids, loads, self.tau)
 
 
-def _live_policy(n_workers: int, **kw: Any) -> Policy:
-    from eldr_cli.routing.live import EldrLivePolicy
-
-    return EldrLivePolicy(n_workers, **kw)
-
-
-POLICY_CLASSES: dict[str, Any] = {"eldr": EldrPolicy, "eldr-live": _live_policy, "round-robin": RoundRobin,
-                                  "random": RandomPolicy, "jsq": JSQ, "p2c": P2C, "domain": DomainPolicy}
+def band_ranking(signature: np.ndarray | None, centroids: np.ndarray, loads, tau: float) -> Ranking:
+    """The band rule as a ranking: reserved as the least reserved in the band (JSQ over all without a signature)."""
+    if signature is None:
+        return Ranking(jsq(loads), slack=0, candidates=tuple(range(len(loads))))
+    b = locality_band(signature, centroids, loads, tau)
+    return Ranking(b.worker, slack=0, candidates=tuple(int(k) for k in b.band), similarities=b.similarities,
+                   band=b.band)

@@ -19,10 +19,10 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
-from eldr_cli.routing.policies import POLICY_CLASSES, Policy
+from eldr_cli.routing.policies import Policy, Ranking
+from eldr_cli.routing.registry import LOAD_BALANCERS, REGISTRY, ROUTERS, check_policy
 
-ROUTERS = (*POLICY_CLASSES, "oracle")   # every name make_router builds
-LOAD_BALANCERS = ("round-robin", "random", "jsq", "p2c")
+__all__ = ["LOAD_BALANCERS", "ROUTERS", "Decision", "DecodeRouter", "make_router"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,17 @@ class Decision:
     similarities: np.ndarray | None = None  # [K] cosine to each centroid (band policies)
     band: np.ndarray | None = None          # worker indices inside the locality band
     predicted_ms: np.ndarray | None = None  # [K] predicted added latency per candidate (eldr-live)
-    detail: Any = None                      # what the policy needs back in on_dispatch
+    ranking: Ranking | None = None          # the policy's answer (its first choice may differ from worker)
+
+    @property
+    def first(self) -> int:
+        """The policy's first choice (``worker`` differs when that one was down or the reservation moved it)."""
+        return self.worker if self.ranking is None else self.ranking.first
+
+    @property
+    def detail(self) -> Any:
+        """What the policy needs back at dispatch (its ranking's ``detail``; None without a ranking)."""
+        return None if self.ranking is None else self.ranking.detail
 
 
 SignatureFn = Callable[[Any, Any], "np.ndarray | None"]
@@ -68,7 +78,7 @@ class DecodeRouter:
     @property
     def needs_signature(self) -> bool:
         """Whether :meth:`decide` uses the request's prefill counts (callers may skip decoding them)."""
-        return self._policy.needs_signature and self.name != "oracle"
+        return self._policy.needs_signature and self._policy.needs_counts
 
     @property
     def stateful(self) -> bool:
@@ -77,8 +87,16 @@ class DecodeRouter:
 
     @property
     def policy(self) -> Policy:
-        """The rule inside (read-only use: tests, the proxy's shared live state)."""
+        """The rule inside (read-only use: tests)."""
         return self._policy
+
+    def export_state(self, worker: int) -> list[int] | None:
+        """This replica's share of a stateful policy's state on ``worker`` (None: the policy shares none)."""
+        return self._policy.export_state(worker)
+
+    def merge_state(self, worker: int, vector: list[int] | None) -> None:
+        """The other replicas' summed shares of ``worker`` (see :meth:`Policy.merge_state`)."""
+        self._policy.merge_state(worker, vector)
 
     @property
     def tau(self) -> float | None:
@@ -102,34 +120,34 @@ class DecodeRouter:
         tokens the request will hold on its decoder (prompt + expected output; cost-aware policies).
         """
         sig, state = self._signature(counts, key)
-        pol = self._policy
-        idx = pol.pick(loads, sig, domain, tokens)
-        last = getattr(pol, "last", None)
+        r = self._policy.rank(loads, sig, domain, tokens)
+        idx = r.first
         if healthy is not None and not healthy[idx]:
             up = [i for i, h in enumerate(healthy) if h]
             if up:
                 idx = min(up, key=lambda i: loads[i])
-        if last is None:
-            return Decision(int(idx), state)
-        return Decision(int(idx), state, getattr(last, "similarities", None), getattr(last, "band", None),
-                        getattr(last, "predicted_ms", None), last)
+        return Decision(int(idx), state, r.similarities, r.band, r.predicted_ms, r)
 
     def on_dispatch(self, decision: Decision, key: Any) -> None:
-        """The request ``key`` was sent where ``decision`` says (call before any other decide)."""
+        """The request ``key`` is sent where ``decision`` says, or moved there if it was dispatched before. Call it
+        right after :meth:`decide`, before anything awaits, so that no other decision sees a live set without it."""
         self._policy.on_dispatch(decision.worker, key, decision.detail)
 
     def on_finish(self, worker: int, key: Any) -> None:
         self._policy.on_finish(worker, key)
 
     def reservation(self, decision: Decision, loads) -> tuple[list[int], int] | None:
-        """The candidates (in order of preference) and slack the replicas' reservation may choose among for
-        ``decision``; None when the policy does not reserve (see :meth:`Policy.reservation`)."""
-        return self._policy.reservation(decision.worker, decision.detail, loads)
+        """The candidates (in order of preference) and the load cap (slack over the least reserved) the replicas'
+        reservation may choose among for ``decision``; None when the policy does not reserve (its choice stands)."""
+        r = decision.ranking
+        if r is None or r.slack is None:
+            return None
+        return r.preference(decision.worker, loads), r.slack
 
     def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
         if self._signature_of is None:
             return None, "unused"
-        if counts is None and self.name != "oracle":
+        if counts is None and self._policy.needs_counts:
             return None, "missing"
         try:
             sig = self._signature_of(counts, key)
@@ -163,8 +181,7 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
     the served rows' decode counts (see :func:`eldr_cli.routing.oracle.fit_oracle`), needed by ``oracle``,
     whose signature is the request's own decode pattern looked up by ``key``.
     """
-    if name not in ROUTERS:
-        raise EldrError(f"unknown policy {name!r}; expected one of {', '.join(ROUTERS)}")
+    check_policy(name)
     if n_workers < 1:
         raise EldrError("at least one decode worker is needed")
     if name == "oracle":
@@ -176,7 +193,9 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
                             lambda counts, key: oracle.patterns.get(key))
     if domain_share is None and model is not None:
         domain_share = model.domain_share
-    policy = POLICY_CLASSES[name](n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
+    build = REGISTRY[name].build
+    assert build is not None
+    policy = build(n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
                                   cost=cost)
     sig = None
     if policy.needs_signature and model is not None:

@@ -10,10 +10,12 @@ the decode leg ends. If Redis has not answered within the deadline (``--state-re
 50), the local decision stands, and the late answer's slot is moved to the worker actually used (so the
 counts in Redis stay complete).
 
-The reservation counts in Redis are not signed (Lua cannot check a tag without the key), so they
-only choose *among* candidates the replica picked from signed data: the policy's band (ELDR: the locality
-band; eldr-live: every decoder in its order of preference) or the healthy pool (JSQ), narrowed
-to the workers whose signed load is within ``SLACK`` of the least loaded.
+The load cap is the policy's (``Ranking.slack``; eldr-live: ``max(2, ceil(0.25 x mean))``), enforced here on
+Redis's exact counts. The reservation counts in Redis are not signed (Lua cannot check a tag without the key),
+so they only choose *among* candidates the replica picked from signed data: the policy's candidates (ELDR: the
+locality band; eldr-live: every decoder in its order of preference; JSQ: the healthy pool), narrowed to the
+workers whose signed load is within the policy's slack plus ``TRUST_MARGIN`` of the least loaded; the
+decision's own worker always stays a candidate (a margin must never drop the policy's own choice).
 Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
 heartbeat key has expired are removed by the others (a crash does not leak slots for long).
 """
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eldr.proxy.state")
 
-SLACK = 4  # candidates: signed load <= least signed load in the band + SLACK
+TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's slack + TRUST_MARGIN
 RESULTS = ("ok", "timeout", "error", "skipped")
 
 _SELECT = """
@@ -190,7 +192,7 @@ async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision,
     if not band:
         return choice, None
     least = min(loads[k] for k in band)
-    cands = [workers[k] for k in band if loads[k] <= least + SLACK]
+    cands = [workers[k] for k in band if loads[k] <= least + slack + TRUST_MARGIN or k == choice.worker]
     keys = [f"{w.role}|{w.url}" for w in cands]
     i, late = await rv.choose(keys, slack)
     cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
