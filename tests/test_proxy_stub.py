@@ -185,7 +185,8 @@ def test_prefix_hash_keeps_a_prefix_on_one_prefill_worker(cluster):
 
 
 def test_prefix_hash_falls_back_to_least_loaded_when_overloaded():
-    from eldr_cli.proxy.workers import PrefixHashPrefill, WorkerPool
+    from eldr_cli.proxy.workers import WorkerPool
+    from eldr_cli.routing.prefill import PrefixHashPrefill
 
     pool = WorkerPool("prefill", ["http://a", "http://b", "http://c"])
     ph = PrefixHashPrefill(block_chars=16, blocks=2)

@@ -1,7 +1,7 @@
 """Discrete-event simulator of an xPyD cluster (`eldr bench simulate`): the same traces, cost model,
 arrival schedules and routing objects as the emulated cluster, in virtual time, no HTTP.
 
-- prefill: PrefixHash with least-loaded fallback (the proxy's own ``PrefixHashPrefill``), FIFO
+- prefill: PrefixHash with least-loaded fallback (``routing.prefill.PrefixHashPrefill``, the proxy's own), FIFO
   batches up to a token budget, step time from the cost model over the batch's prompt experts;
 - handoff: the proxy's in-flight decode counts are the loads; the decode router of
   ``eldr_cli.routing.make_router`` (the proxy's own object) chooses the decode worker from the

@@ -28,7 +28,10 @@ def validate_policy_change(body: dict[str, Any], *, policy: str, tau: float | No
     name = body.get("policy", policy)
     if not isinstance(name, str):
         raise InvalidParameterError("policy", f"policy must be a name, got {name!r}")
-    check_policy(name, servable=True)
+    try:
+        check_policy(name, servable=True)
+    except EldrError as e:  # the registry's one message, as the CLI and the config file give it
+        raise InvalidParameterError("policy", str(e)) from None
     new_tau = body.get("tau", tau)
     return name, None if new_tau is None else validate_parameter("tau", new_tau)
 

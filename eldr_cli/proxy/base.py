@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.replicas.conn import parse_state_url
 from eldr_cli.proxy.replicas.shared import LocalState, RedisState
-from eldr_cli.proxy.workers import PrefixHashPrefill, Worker, WorkerPool
+from eldr_cli.proxy.workers import Worker, WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
+from eldr_cli.routing.prefill import PrefixHashPrefill
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog

@@ -32,8 +32,9 @@ from eldr_cli.proxy.http import (
 from eldr_cli.proxy.replicas.reserve import reserve_decode
 from eldr_cli.proxy.request import RequestContext, context_tokens, prefill_body
 from eldr_cli.proxy.upstream import UpstreamHTTPError
-from eldr_cli.proxy.workers import Worker, prompt_key
+from eldr_cli.proxy.workers import Worker
 from eldr_cli.routing import Decision, DecodeRouter
+from eldr_cli.routing.prefill import prompt_key
 
 log = logging.getLogger("eldr.proxy")
 

@@ -1,4 +1,5 @@
-"""Upstream workers, their load state and health, and the prefill-side PrefixHash choice.
+"""Upstream workers, their load state and health (the prefill-side PrefixHash choice is a routing policy:
+:mod:`eldr_cli.routing.prefill`).
 
 Worker ids are stable for the life of the proxy: ``p<n>`` / ``d<n>`` handed out in order of
 addition and never reused. The decode pool's *position* i is the worker the policies (and the
@@ -103,51 +104,3 @@ class WorkerPool:
 
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
-
-
-def prompt_key(body: dict[str, Any], chat: bool) -> str:
-    """The text whose leading blocks identify a prompt for prefix affinity."""
-    if chat:
-        parts = []
-        for m in body.get("messages") or ():
-            if not isinstance(m, dict):
-                continue
-            c = m.get("content")
-            if isinstance(c, list):
-                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
-            parts.append(f"{m.get('role', '')}:{c or ''}\n")
-        return "".join(parts)
-    p = body.get("prompt")
-    if isinstance(p, list):
-        p = p[0] if p else ""
-        if isinstance(p, list):  # token ids
-            return ",".join(map(str, p))
-        if isinstance(p, int):
-            return ",".join(map(str, body["prompt"]))
-    return p if isinstance(p, str) else ""
-
-
-class PrefixHashPrefill:
-    """PrefixHash: rendezvous-hash the prompt's first ``blocks`` blocks of ``block_chars`` characters
-    onto the healthy prefill workers (so a shared prefix meets a warm prefix cache, and adding or
-    removing a worker moves only its own keys); if the matched worker's load is above
-    ``overload`` x the average prefill load, take the least-loaded worker instead."""
-
-    def __init__(self, block_chars: int = 256, blocks: int = 4, overload: float = 1.25):
-        self.span = max(1, block_chars * blocks)
-        self.overload = overload
-
-    def choose(self, pool: WorkerPool, key: str, exclude: Worker | None = None) -> Worker | None:
-        cands = [w for w in pool.workers if w.healthy and w is not exclude]
-        if not cands:
-            cands = [w for w in pool.workers if w is not exclude]  # all down: try anyway
-            if not cands:
-                return None
-        if exclude is not None:  # a retry: the least-loaded other worker
-            return min(cands, key=lambda w: w.load())
-        kb = key[: self.span].encode("utf-8", "surrogatepass")
-        best = max(cands, key=lambda w: zlib.crc32(kb, w.salt))
-        avg = sum(w.load() for w in cands) / len(cands)
-        if avg > 0 and best.load() > self.overload * avg:
-            return min(cands, key=lambda w: w.load())
-        return best

@@ -85,7 +85,7 @@ def jsq(loads) -> int:
 # -- policies: one interface for the proxy, the simulator and replay ---------------------------
 
 class Policy:
-    """A decode routing policy: :meth:`pick` chooses among all workers; stateful policies also follow
+    """A decode routing policy: :meth:`rank` ranks all workers (a :class:`Ranking`); stateful policies also follow
     each request's life through :meth:`on_dispatch` and :meth:`on_finish` (the router calls them)."""
 
     name = "policy"

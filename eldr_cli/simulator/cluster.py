@@ -1,7 +1,7 @@
 """One simulated xPyD cluster run in virtual time (`eldr bench simulate`, `eldr report`): arrivals, prefill
 queues and batches, the handoff decision by the decode router, and continuous decode batching.
 
-- prefill: PrefixHash with least-loaded fallback (the proxy's own ``PrefixHashPrefill``), FIFO batches up
+- prefill: PrefixHash with least-loaded fallback (``routing.prefill.PrefixHashPrefill``), FIFO batches up
   to a token budget, step time from the cost model over the batch's prompt experts;
 - handoff: the in-flight decode counts are the loads; the decode router built by
   :func:`eldr_cli.routing.make_router` (the proxy's own object) chooses the decoder from the request's
@@ -25,7 +25,8 @@ from eldr_cli.routing import DecodeRouter, make_router
 def _prefill_chooser(n_prefill: int):
     """The proxy's PrefixHash prefill choice over simulated workers."""
     from eldr_cli.proxy.config import ProxyConfig
-    from eldr_cli.proxy.workers import PrefixHashPrefill, WorkerPool
+    from eldr_cli.proxy.workers import WorkerPool
+    from eldr_cli.routing.prefill import PrefixHashPrefill
 
     cfg = ProxyConfig()
     pool = WorkerPool("prefill", [f"http://sim-prefill-{i}" for i in range(n_prefill)])

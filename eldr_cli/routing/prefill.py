@@ -1,0 +1,59 @@
+"""Prefill selection: PrefixHash with a least-loaded fallback, the proxy's and the simulator's one prefill
+policy. ``choose`` takes any pool whose ``workers`` have ``healthy``, ``salt`` (a per-worker hash salt) and
+``load()``; the proxy passes its :class:`eldr_cli.proxy.workers.WorkerPool`."""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.workers import Worker, WorkerPool
+
+
+def prompt_key(body: dict[str, Any], chat: bool) -> str:
+    """The text whose leading blocks identify a prompt for prefix affinity."""
+    if chat:
+        parts = []
+        for m in body.get("messages") or ():
+            if not isinstance(m, dict):
+                continue
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}:{c or ''}\n")
+        return "".join(parts)
+    p = body.get("prompt")
+    if isinstance(p, list):
+        p = p[0] if p else ""
+        if isinstance(p, list):  # token ids
+            return ",".join(map(str, p))
+        if isinstance(p, int):
+            return ",".join(map(str, body["prompt"]))
+    return p if isinstance(p, str) else ""
+
+
+class PrefixHashPrefill:
+    """PrefixHash: rendezvous-hash the prompt's first ``blocks`` blocks of ``block_chars`` characters
+    onto the healthy prefill workers (so a shared prefix meets a warm prefix cache, and adding or
+    removing a worker moves only its own keys); if the matched worker's load is above
+    ``overload`` x the average prefill load, take the least-loaded worker instead."""
+
+    def __init__(self, block_chars: int = 256, blocks: int = 4, overload: float = 1.25):
+        self.span = max(1, block_chars * blocks)
+        self.overload = overload
+
+    def choose(self, pool: WorkerPool, key: str, exclude: Worker | None = None) -> Worker | None:
+        cands = [w for w in pool.workers if w.healthy and w is not exclude]
+        if not cands:
+            cands = [w for w in pool.workers if w is not exclude]  # all down: try anyway
+            if not cands:
+                return None
+        if exclude is not None:  # a retry: the least-loaded other worker
+            return min(cands, key=lambda w: w.load())
+        kb = key[: self.span].encode("utf-8", "surrogatepass")
+        best = max(cands, key=lambda w: zlib.crc32(kb, w.salt))
+        avg = sum(w.load() for w in cands) / len(cands)
+        if avg > 0 and best.load() > self.overload * avg:
+            return min(cands, key=lambda w: w.load())
+        return best
