@@ -229,9 +229,10 @@ def cost_model_cmd(
     out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
     force: bool = FORCE,
 ) -> None:
-    """A GPU decode-step cost model from first principles (roofline, not measured), calibrated once on the
-    paper's Fig. 2 (MI300X + Qwen3-30B-A3B: 16 -> 128 active experts = 4.7x); refuses a deployment whose
-    weights and minimum KV pool do not fit in HBM."""
+    """A GPU decode-step cost model from first principles (roofline), its bandwidth efficiencies and fixed
+    per-layer costs fitted to measurements shipped with eldr for the H100-SXM and H200 presets (other devices:
+    an assumed efficiency and the paper's MI300X Fig. 2 ratio, said in the artifact); refuses a deployment
+    whose weights and minimum KV pool do not fit in HBM."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
@@ -249,6 +250,7 @@ def cost_model_cmd(
                   f"EP{p['ep']}; per MoE layer {c['a']:.4f} + {c['b']:.4f}*active + {c['c']:.5f}*requests ms "
                   f"(KV at {context} tokens); step at batch 1 {m['step_ms_batch1']:.2f} ms; "
                   f"Fig. 2 ratio {m['fig2_ratio_128_vs_16_batch64']:.2f}x")
+    console.print(f"calibration: {p['calibration']['provenance']}")
     console.print(f"deployment: {d['gpus_per_instance']} GPU(s) per instance (TP{d['tp']}"
                   f"{' chosen: the smallest that fits' if d['tp_chosen'] == 'auto' else ''}), weights "
                   f"{d['weights_gb_per_gpu']:.1f} GB per GPU of {d['hbm_gb_per_gpu']:g} GB, KV capacity "

@@ -55,7 +55,18 @@ def default_cost_model(tr, work: Path) -> tuple[Path, str]:
             refused = e
     else:
         raise refused
-    return out, f"first-principles roofline, {how}, {dtype}, on {DEFAULT_DEVICE} (not measured)"
+    return out, f"first-principles roofline, {how}, {dtype}, on {DEFAULT_DEVICE}: {cost_provenance(out)}"
+
+
+def cost_provenance(cost_model) -> str:
+    """One sentence: MEASURED (on which device) or the roofline and its calibration (or that it has none)."""
+    from eldr_cli.artifacts.store import Artifact
+
+    p = Artifact(cost_model).params
+    if p.get("source") != "roofline":
+        return f"MEASURED cost model ({p.get('source', 'measured')}) on {p.get('device', 'cpu')}"
+    cal = p.get("calibration") or {}
+    return cal.get("provenance") or "roofline NOT calibrated on a measurement (written before calibrations)"
 
 
 def replay_text(res: dict) -> str:
