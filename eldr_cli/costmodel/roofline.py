@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from eldr_cli.costmodel import CostModel, write_cost_model
+from eldr_cli.costmodel import CostModel, step_ms_from_terms, write_cost_model
 from eldr_cli.costmodel.deployment import (
     DEPLOYMENT_KEYS,
     GPU_MEMORY_UTILIZATION,
@@ -231,7 +231,7 @@ class Roofline:
     def step_ms(self, active_total: float, contexts) -> float:
         """One decode step: ``contexts`` = each running request's current context length (tokens)."""
         ctx = np.asarray(contexts, dtype=float)
-        return terms_ms(self.step_terms(), active_total, int(ctx.size), float(ctx.sum()))
+        return float(terms_ms(self.step_terms(), active_total, int(ctx.size), float(ctx.sum())))
 
     def moe_layer_ms(self, batch: int, active: int) -> float:
         """One MoE layer's expert computation alone on one GPU (the quantity of the paper's Fig. 2 and of the
@@ -254,13 +254,7 @@ class Roofline:
                          source="roofline", device="", top_k=None)
 
 
-def terms_ms(terms, active_total: float, batch: float, context: float) -> float:
-    """Evaluate :meth:`Roofline.step_terms` (the simulator's compiled ``step_time`` mirrors this)."""
-    const, kb, kt, m0, kv, kc, ka, roof = terms
-    mem = m0 + kb * active_total + kv * context
-    if roof:
-        mem = max(mem, kc * batch + ka * context)
-    return const + mem + kt * batch
+terms_ms = step_ms_from_terms  # the one step formula (eldr_cli.costmodel), under its earlier name
 
 
 @dataclass(frozen=True)
@@ -292,7 +286,7 @@ class RooflineCostModel(CostModel):
     def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
                 context=None) -> float:
         c = 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
-        return terms_ms(self._terms, active_total, tokens, c)
+        return float(terms_ms(self._terms, active_total, tokens, c))
 
     @classmethod
     def from_params(cls, p: dict) -> "RooflineCostModel":

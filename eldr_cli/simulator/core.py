@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
 
 INF = np.inf
@@ -56,18 +57,8 @@ def _popcount64(x):
     return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
 
 
-@njit(cache=True, inline="always")
-def step_time(terms, active, batch, context):
-    """``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` (ms), C = summed context of the batch;
-    ``terms`` = cost.step_terms(): (const, kb, kt, m0, kv, kc, ka, has_roof). Without a roof (a measured
-    linear model) the memory form is taken as is, so ``const + kb*A + kt*B`` is evaluated in the same
-    order as before and gives bit-identical times."""
-    mem = terms[3] + terms[1] * active + terms[4] * context
-    if terms[7] != 0.0:
-        comp = terms[5] * batch + terms[6] * context
-        if comp > mem:
-            mem = comp
-    return terms[0] + mem + terms[2] * batch
+# the one step formula (eldr_cli.costmodel.step_ms_from_terms), compiled for the simulator's loop
+step_time = njit(cache=True, inline="always")(step_ms_from_terms)
 
 
 @njit(cache=True, inline="always")
