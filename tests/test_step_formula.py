@@ -52,3 +52,33 @@ def test_cost_models_step_ms_is_the_formula():
     ctx = [300, 5000, 17]
     assert cm.step_ms(333, 48, 3, context=ctx) == r.step_ms(333, ctx) == float(
         step_ms_from_terms(r.step_terms(), 333, 3, sum(ctx)))
+
+
+def test_scaled_cost_moves_only_the_per_expert_and_fixed_terms():
+    from eldr_cli.costmodel import ScaledCostModel
+
+    _, _, r, _ = build("Qwen3-30B-A3B", device="H100-SXM")
+    base = RooflineCostModel(a_ms=0, b_ms=0, c_ms=0, roofline=r, deployment={"kv_capacity_tokens": 5})
+    s = ScaledCostModel(base, 1.25, 0.75)
+    t, u = base.step_terms(48), s.step_terms(48)
+    assert u[0] == t[0] * 0.75 and u[1] == t[1] * 1.25 and u[2:] == t[2:]
+    assert s.deployment == {"kv_capacity_tokens": 5} and s.ep_ranks == 1
+    assert s.step_ms(300, 48, 4, context=[100] * 4) == float(step_ms_from_terms(u, 300, 4, 400.0))
+
+
+def test_a_replay_with_a_true_cost_keeps_the_routers_prediction(tmp_path):
+    from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.bench.replay import TraceReplay
+    from eldr_cli.costmodel import ScaledCostModel
+    from eldr_cli.main import run as eldr
+
+    assert eldr(["synth-trace", "--out", str(tmp_path / "t"), "--requests", "20", "--layers", "4", "--experts", "16",
+                 "--top-k", "2", "--decode-steps", "4", "--picks"]) == 0
+    cm = CostModel(a_ms=0.5, b_ms=0.1, c_ms=0.005)
+    rp = TraceReplay(read_trace(tmp_path / "t"), cm)
+    moved = rp.with_true_cost(ScaledCostModel(cm, 1.25, 1.0))
+    rows, done = np.array([0, 1, 2]), np.array([0, 1, 2])
+    ms, a = rp.decode_step_ms(rows, done)
+    ms2, a2 = moved.decode_step_ms(rows, done)
+    assert a == a2 and ms2 == pytest.approx(ms + 0.25 * 0.1 * a, rel=1e-12)
+    assert moved.predicted_cost is cm and rp.cost is cm and rp.terms != moved.terms

@@ -27,6 +27,7 @@ distinct active experts -- what :meth:`CostModel.step_ms` takes. With expert par
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import numpy as np
@@ -113,6 +114,7 @@ class TraceReplay:
         self.ep = cost.ep_ranks
         self.token_scale = cost.token_scale(trace.model.get("top_k"))
         self.terms = tuple(float(x) for x in cost.step_terms(L, self.token_scale))  # the step's form
+        self.predicted_cost = cost  # what a cost-aware router predicts with (see with_true_cost)
         steps = np.asarray(trace.decode_steps, dtype=np.int64)
         self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
         if self.offsets.shape != (R + 1,) or int(self.offsets[-1]) != trace.decode_picks.shape[0]:
@@ -142,6 +144,14 @@ class TraceReplay:
         # rows with no decode steps: point them at an all-zero mask appended at the end
         self._empty = self.decode_masks.shape[0]
         self.decode_masks = np.vstack([self.decode_masks, np.zeros((1, self.words), dtype=np.uint64)])
+
+    def with_true_cost(self, cost) -> "TraceReplay":
+        """This replay with steps timed by ``cost`` while cost-aware routers keep predicting with this one's
+        (a GPU that differs from the cost model the router was given): the report's sensitivity."""
+        rp = copy.copy(self)
+        rp.cost = cost
+        rp.terms = tuple(float(x) for x in cost.step_terms(self.n_layers, self.token_scale))
+        return rp
 
     @property
     def n_rows(self) -> int:

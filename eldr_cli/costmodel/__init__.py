@@ -111,6 +111,29 @@ class CostModel:
                    top_k=art.params.get("top_k"))
 
 
+class ScaledCostModel:
+    """``base`` with its per-expert term (kb: one charged expert's weight read) and its fixed per-step term
+    (const: the per-layer fixed costs) scaled: the report's sensitivity of the verdict to the cost model.
+    Everything else (KV, dense weights, compute, deployment) is ``base``'s."""
+
+    def __init__(self, base: CostModel, per_expert_scale: float, fixed_scale: float):
+        self.base, self.per_expert_scale, self.fixed_scale = base, float(per_expert_scale), float(fixed_scale)
+
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+        t = [float(x) for x in self.base.step_terms(n_layers, token_scale)]
+        t[0] *= self.fixed_scale
+        t[1] *= self.per_expert_scale
+        return tuple(t)
+
+    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
+                context=None) -> float:
+        return float(step_ms_from_terms(self.step_terms(n_layers, token_scale), active_total, tokens,
+                                        _context_sum(context)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+
 def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,
                      metrics: dict | None = None, tables: dict | None = None, figures=None) -> Path:
     from eldr_cli.artifacts.store import ArtifactWriter

@@ -154,7 +154,9 @@ def _facts(doc: dict) -> list[list[str]]:
             ["trace", f"{t['requests']} requests, {t['n_layers']} MoE layers x {t['num_experts']} experts, "
                       f"top-{t['top_k']}; served: {s['split']} rows"],
             ["domains", ", ".join(f"{k}: {n}" for k, n in t["domains"].items()) or "unlabelled"],
-            ["cost model", s["cost_model"]], ["decode instance", ds],
+            ["cost model", s["cost_model"]],
+            ["cost model provenance", (v.get("cost_model") or {}).get("provenance", "not stated")],
+            ["decode instance", ds],
             ["topology", f"{s['prefill']} prefill, {s['decode']} decode workers; {s['max_tokens']} output tokens "
                          "per request"],
             ["SLO", f"TPOT p90 <= {v['slo']['tpot_p90_ms']:g} ms, TTFT p90 <= {v['slo']['ttft_p90_ms']:g} ms"
@@ -164,6 +166,13 @@ def _facts(doc: dict) -> list[list[str]]:
                                 "is within 2%; the capacity is its lower end (error < 2%)"],
             ["runs", f"{s['runs']} simulated runs, {s['simulate_s']:.0f} s; warm-up {s['warmup_s']:.0f} s, "
                      f"measured window {s['min_window_s']:.3g} s, but 300 to 2,000 requests"]]
+
+
+def _sensitivity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
+    rows = (v.get("cost_model") or {}).get("sensitivity") or []
+    return ("sensitivity", ["per-expert cost", "fixed cost", "router", "capacity vs best LB, %"],
+            [[f"x{r['per_expert_scale']:g}", f"x{r['fixed_scale']:g}", f"{r['router']} vs {r['vs']}",
+              fmt_change(_iv(r["capacity_gain_pct"]))] for r in rows])
 
 
 def _fit_text(doc: dict) -> str:
@@ -202,6 +211,9 @@ def sections(doc: dict) -> list[Section]:
            Section("Capacity at SLO", "SIMULATED", tables=[capacity_table(v)]),
            Section("Load regimes", "SIMULATED", ["Mean [95% interval] over seeds; changes are paired per seed."],
                    tables=_load_tables(v)),
+           Section("How much the verdict rests on the cost model", "SIMULATED",
+                   ["The GPU's per-expert and fixed costs moved by 25% while the router keeps the model's."],
+                   tables=[_sensitivity_table(v)]),
            Section("Deployment and method", "", tables=[("facts", ["", ""], _facts(doc))])]
     if doc.get("replay") and doc["replay"].get("results"):
         res = doc["replay"]
