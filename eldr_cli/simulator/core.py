@@ -151,6 +151,27 @@ def _schedule_kv(d, req, wk, run, qbuf, cap, max_seqs):
         wk[W_QHEAD, d] += 1
 
 
+def schedule_kv(running_ctx, waiting_ctx, kv_blocks: int, max_seqs: int) -> tuple[int, int]:
+    """vLLM's block scheduling (:func:`_schedule_kv`, the simulator's own compiled rule) for a caller that
+    keeps its requests elsewhere (the emulator): ``running_ctx`` / ``waiting_ctx`` = each running request's
+    and each queued request's (FIFO, head first) context tokens. Returns (running requests kept: the rest,
+    the latest admitted, are preempted back to the queue's head in their order; queue heads admitted)."""
+    n_run, n_wait = len(running_ctx), len(waiting_ctx)
+    n = n_run + n_wait
+    req = np.zeros((8, max(n, 1)), dtype=np.int64)
+    req[R_CTX0, :n] = np.concatenate([np.asarray(running_ctx, dtype=np.int64),
+                                      np.asarray(waiting_ctx, dtype=np.int64)])
+    run = np.zeros((1, max(int(max_seqs), n_run, 1)), dtype=np.int64)
+    run[0, :n_run] = np.arange(n_run)
+    qbuf = np.zeros((1, max(n, 1)), dtype=np.int64)
+    qbuf[0, :n] = np.arange(n)  # slots before the head stand for the running requests (room to preempt into)
+    wk = np.zeros((5, 1), dtype=np.int64)
+    wk[W_NRUN, 0], wk[W_QHEAD, 0], wk[W_QTAIL, 0] = n_run, n_run, n
+    _schedule_kv(0, req, wk, run, qbuf, int(kv_blocks), int(max_seqs))
+    kept = min(int(wk[W_NRUN, 0]), n_run) if wk[W_PREEMPT, 0] else n_run
+    return kept, int(wk[W_NRUN, 0]) - kept
+
+
 @njit(cache=True)
 def _start_step(d, t, masks, req, wk, run, qbuf, step_end, terms, geo, acc, log, cnt):
     max_seqs = run.shape[1]
