@@ -167,6 +167,12 @@ def moe_layer_cmd(
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads (1 = steadier on a shared machine)."),
     device: str = typer.Option("auto", "--device", help="auto (the CUDA GPU when torch sees one, else this CPU), "
                                                         "cpu or cuda."),
+    backend: str = typer.Option("auto", "--backend", help="auto (grouped on a GPU, loop on a CPU), grouped "
+                                "(torch._grouped_mm over all experts, per-expert row offsets) or loop (one matmul "
+                                "chain per active expert)."),
+    launch: str = typer.Option("auto", "--launch", help="auto (graph on a GPU, eager on a CPU), graph (CUDA graph "
+                               "replay, as engines run decode steps) or eager (Python launches; the loop is "
+                               "launch-bound on a GPU)."),
     seed: int = SEED,
     force: bool = FORCE,
 ) -> None:
@@ -174,7 +180,7 @@ def moe_layer_cmd(
     fit the cost model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
-    from eldr_cli.costmodel.moe_layer import resolve_device, run_moe_layer
+    from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device, run_moe_layer
     from eldr_cli.errors import EldrError
 
     def ints(s, name):
@@ -191,17 +197,17 @@ def moe_layer_cmd(
     sizes = ints(batches, "batches"), ints(actives, "active")
     from eldr_cli.artifacts.guard import check_output
 
-    resolve_device(device)  # an unknown or absent device fails before anything is written
+    resolve_backend(backend, launch, resolve_device(device), dtype)  # fails before anything is written
     check_output(out, "cost-model", force=force or None)  # before minutes of timing
     with console.status("timing the MoE layer ...") as st, replacing(out, force):
         run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
                       batches=sizes[0], actives=sizes[1], repeats=repeats,
-                      dtype=dtype, threads=threads, seed=seed, device=device,
+                      dtype=dtype, threads=threads, seed=seed, device=device, backend=backend, launch=launch,
                       progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
     a = Artifact(out)
     c, m = a.params["coefficients_ms"], a.metrics
     console.print(f"cost model (measured on {a.params['device']}, {a.params['threads']} thread(s), "
-                  f"{a.params['dtype']}): per MoE "
+                  f"{a.params['dtype']}; {a.params['timed']}): per MoE "
                   f"layer [bold]{c['a']:.3f} + {c['b']:.3f}*active + {c['c']:.4f}*tokens[/] ms, non-MoE "
                   f"{c['e']:.3f} + {c['d']:.4f}*tokens ms; fit R^2 {m['fit_r2']:.3f}, median |rel err| "
                   f"{100 * m['fit_median_abs_rel_error']:.1f}%")
