@@ -239,3 +239,28 @@ def test_cost_model_artifact_carries_the_deployment(tmp_path):
     assert r.returncode == 2 and "Traceback" not in err and not (tmp_path / "bad").exists()
     for size in ("801.4 GB", "100.2 GB per GPU", "80 GB HBM", "8 x H100-SXM", "bf16"):
         assert size in err, size
+
+
+def test_gpu_check_refuses_without_a_gpu_and_compares_the_roofline_with_what_it_measures(tmp_path):
+    """make gpu-check (benchmarks/gpu_check.py): on this CPU one message, exit 2, nothing written; its roofline
+    comparison, fed the shipped H100 measurements in its own row format, finds them within 15%."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "g.json")], capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "g.json").exists()
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    moe = {"grouped_graph": {"rows": [{"batch": b, "active_experts": a, "ms": ms} for k, b, a, ms in
+                                      moe_rows("H100-SXM") if k == "Qwen3-30B-A3B TP1 bf16"]}}
+    attn = [{"batch": b, "context": c, "graph_ms": ms} for b, c, _, ms in attention_rows("H100-SXM")]
+    got = mod.roofline_error("NVIDIA H100 80GB HBM3", moe, attn)
+    assert got["preset"] == "H100-SXM" and got["within_15pct"] and "NVIDIA H100" in got["provenance"]
+    assert mod.roofline_error("NVIDIA A10", moe, attn)["preset"] is None
