@@ -193,6 +193,10 @@ report: venv  ## eldr report on TRACE (default: the captured trace); an Orders-i
 bench-report: venv  ## eldr report end to end: verdict table + wall time (generated public-layout trace; tiny model's trace when present)
 	$(BIN)/python benchmarks/bench_report.py --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
+.PHONY: gpu-check
+gpu-check: venv  ## on one CUDA GPU (< 3 min, no vLLM, no downloads): capture kernels vs reference, eager vs graph; moe-layer grouped (graph) vs loop (eager); decode attention; the calibrated roofline's error
+	$(BIN)/python benchmarks/gpu_check.py --out bench-results/gpu_check.json
+
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 7 routers incl. oracle), its TPOT report, load-generator lag, emulator agreement
 	$(BIN)/python benchmarks/bench_sim.py --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))

@@ -353,3 +353,58 @@ def test_roofline_decode_step_charges_kv_at_current_context(imported_trace, tmp_
 def _measured(tmp_path):
     write_cost_model(tmp_path / "measured", CostModel(a_ms=0.1, b_ms=0.01, c_ms=0.01))
     return tmp_path / "measured"
+
+
+def test_grouped_gemm_plan_computes_the_per_expert_loop():
+    """The grouped backend (torch._grouped_mm over all experts, per-expert row offsets, inactive experts empty)
+    gives the loop's result, on this CPU (float32)."""
+    import torch
+
+    from eldr_cli.costmodel.moe_layer import _grouped_plan, _routing
+
+    E, H, I, k = 8, 32, 16, 2
+    g = torch.Generator().manual_seed(0)
+    wg, wu, wd = torch.randn(E, H, I, generator=g), torch.randn(E, H, I, generator=g), torch.randn(E, I, H, generator=g)
+    x = torch.randn(6, H, generator=g)
+    routes = [(e, torch.from_numpy(t)) for e, t in _routing(6, 4, k, E, np.random.default_rng(1))]
+    order, offs = _grouped_plan(routes, E, torch.device("cpu"))
+    assert offs.dtype == torch.int32 and offs.shape == (E,) and int(offs[-1]) == order.numel() == 6 * k
+    xs = x.index_select(0, order)
+    h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
+    got = torch.zeros_like(x).index_add_(0, order, torch._grouped_mm(h, wd, offs=offs))
+    want = torch.zeros_like(x)
+    for e, idx in routes:
+        xe = x[idx]
+        want.index_add_(0, idx, (torch.nn.functional.silu(xe @ wg[e]) * (xe @ wu[e])) @ wd[e])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_moe_layer_backends_on_a_cpu_and_their_refusals(tmp_path, monkeypatch):
+    import torch
+
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.costmodel.moe_layer import resolve_backend
+    from eldr_cli.errors import EldrError
+
+    small = ["--experts", "8", "--hidden", "64", "--intermediate", "32", "--top-k", "2", "--batches", "4",
+             "--active", "1,4,8", "--repeats", "1", "--device", "cpu"]
+    assert run(["bench", "moe-layer", "--out", str(tmp_path / "g"), "--backend", "grouped", *small]) == 0
+    p = Artifact(tmp_path / "g").params
+    assert (p["backend"], p["launch"], p["launch_bound"]) == ("grouped", "eager", False)
+    assert "torch._grouped_mm" in p["timed"] and "CUDA graph capture skipped: no CUDA GPU" in p["timed"]
+    # CUDA graphs on a CPU: one message, exit 2, nothing written
+    rc = run(["bench", "moe-layer", "--out", str(tmp_path / "bad"), "--launch", "graph", *small])
+    assert rc == 2 and not (tmp_path / "bad").exists()
+    assert resolve_backend("auto", "auto", "cpu", "float32")[:2] == ("loop", "eager")
+    # on a GPU (faked): grouped in a CUDA graph by default; the eager loop only on request, labelled
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FAKE H100")
+    assert resolve_backend("auto", "auto", "cuda", "bfloat16")[:2] == ("grouped", "graph")
+    assert "LAUNCH-BOUND" in resolve_backend("loop", "eager", "cuda", "bfloat16")[2]
+    with pytest.raises(EldrError, match="runs bf16"):
+        resolve_backend("grouped", "graph", "cuda", "float32")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(EldrError, match=r"compute capability >= 9\.0 \(this GPU \(8, 0\)"):
+        resolve_backend("auto", "auto", "cuda", "bfloat16")
+    with pytest.raises(EldrError, match="unknown --backend"):
+        resolve_backend("fused", "auto", "cpu", "float32")

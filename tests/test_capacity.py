@@ -156,3 +156,53 @@ def test_a_defaulted_prefill_pool_that_lets_ttft_bind_is_resized_and_the_search_
     setup, notes = SimpleNamespace(n_prefill=10, n_decode=8), []
     _study(setup, ["jsq"], [0], SLO(80.0, 590.0), 10.0, None, notes)  # --prefill given: never resized
     assert calls == [10] and not notes
+
+
+def test_each_load_point_compares_against_its_own_lowest_tpot_balancer():
+    """Issue 29 item 8: jsq is best by capacity, but at 25% load p2c has the lowest TPOT; round-robin's TPOT
+    cannot be told from p2c's there. eldr-live is compared with p2c at 25% (paired), with jsq elsewhere."""
+    caps = {"jsq": [10.0, 11.0, 9.5], "p2c": [9.0, 9.9, 8.6], "round-robin": [9.9, 11.1, 9.4],
+            "eldr": [12.0, 13.0, 11.0], "eldr-live": [11.0, 12.5, 10.0]}
+    tpot = {"jsq": [20.0, 21.0, 19.0], "p2c": [30.0, 31.0, 29.0], "round-robin": [22.0, 23.0, 21.0],
+            "eldr": [18.0, 18.8, 17.2], "eldr-live": [19.0, 20.0, 18.0]}
+    study = _study(caps, tpot)
+    at25 = {"p2c": [15.0, 16.0, 14.0], "round-robin": [15.1, 15.9, 14.2], "eldr-live": [16.0, 17.0, 15.0]}
+    for row in study["by_load"]:
+        if row["load_pct"] == 25 and row["router"] in at25:
+            for m, x in zip(row["seeds"], at25[row["router"]], strict=True):
+                m["tpot_p50_ms"] = x
+    v = build_verdict(study, SLO(50.0, 900.0), [0, 1, 2], {})
+    assert [(b["load_pct"], b["router"]) for b in v["best_lb_by_load"]] == [(25, "p2c"), (50, "jsq"), (75, "jsq"),
+                                                                           (100, "jsq")]
+    assert v["best_lb_by_load"][0]["indistinguishable_from"] == ["round-robin"]
+    assert v["best_lb_by_load"][1]["indistinguishable_from"] == []
+    live25 = next(c for c in v["change_vs_best_lb_by_load"] if c["load_pct"] == 25 and c["router"] == "eldr-live")
+    assert live25["vs"] == "p2c"  # paired against p2c: (16/15, 17/16, 15/14) - 1, not against jsq
+    assert live25["tpot_p50_pct"]["mean"] == pytest.approx(100 * np.mean([16 / 15 - 1, 17 / 16 - 1, 15 / 14 - 1]),
+                                                           abs=0.01)
+    assert all(c["vs"] == "jsq" for c in v["change_vs_best_lb_by_load"] if c["load_pct"] != 25)
+    assert not any(c["router"] == "p2c" for c in v["change_vs_best_lb_by_load"] if c["load_pct"] == 25)
+    # eldr-live minus eldr, paired per seed in capacity points of jsq
+    d = v["eldr_live_minus_eldr_capacity_pp"]
+    assert d["mean"] == pytest.approx(100 * np.mean([-1 / 10, -0.5 / 11, -1 / 9.5]), abs=0.01)
+    text = verdict_text(v, "a test cost model", 2, 4, (0.01, 100.0))
+    assert "25% p2c (indistinguishable from round-robin), 50% jsq" in text
+    assert "it hurts at 25% (vs p2c: " in text
+    assert "round-robin cannot be told from it" in text  # the capacity-best jsq was chosen among overlapping ones
+    assert v["best_load_balancer_indistinguishable_from"] == ["round-robin"]
+
+
+@pytest.mark.parametrize("diff, says", [((-2.9, [-5.0, -0.8]), "eldr carries measurably more here"),
+                                        ((-2.9, [-6.0, 0.4]), "no measurable difference, so eldr-live"),
+                                        ((3.0, [1.0, 5.0]), "eldr-live carries measurably more than eldr")])
+def test_decision_gives_the_paired_live_minus_eldr_interval_and_its_reason(diff, says):
+    from eldr_cli.pipeline.report_render import decision
+
+    iv = {"mean": 19.2, "ci95": [15.1, 23.4]}
+    v = {"status": "ok", "best_load_balancer": "jsq", "capacity_rps": {"jsq": iv, "eldr": iv, "eldr-live": iv},
+         "capacity_gain_vs_best_lb_pct": {"eldr-live": iv, "eldr": iv},
+         "eldr_live_minus_eldr_capacity_pp": {"mean": diff[0], "ci95": diff[1]}}
+    text = decision({"verdict": v})
+    assert text.startswith("Deploy eldr-live") and says in text
+    lo, hi = diff[1]
+    assert f"eldr-live minus eldr: {diff[0]:+.1f} capacity points (95% CI {lo:+.1f} to {hi:+.1f}" in text

@@ -163,3 +163,19 @@ def test_busiest_rank_count_across_word_boundaries(L, E, ep):
     want = [_count_by_hand(m, L, E, ep) for m in masks]
     assert charged_counts(masks, L, E, ep).tolist() == want
     assert [busiest_rank_active(m.copy(), L, E, ep) for m in masks] == want
+
+
+def test_one_kv_rule_for_the_emulator_by_hand():
+    """simulator.core.schedule_kv (the emulator's entry to the simulator's compiled rule), blocks of 16 tokens
+    holding context + the token the step writes."""
+    from eldr_cli.simulator.core import schedule_kv
+
+    # 3 running of 20 tokens need 2 blocks each: 6 > 4, the latest is preempted, nothing admitted
+    assert schedule_kv([20, 20, 20], [1], 4, 256) == (2, 0)
+    # 1 running (1 block); FIFO: 10 tokens fits (1 block), the next needs 3 and does not: the head waits
+    assert schedule_kv([10], [10, 40, 10], 4, 256) == (1, 1)
+    # max_seqs bounds the batch; an empty worker admits its head even when it alone overflows the pool
+    assert schedule_kv([], [10, 10, 10], 100, 2) == (0, 2)
+    assert schedule_kv([], [500, 10], 4, 256) == (0, 1)
+    # a lone running request is never preempted
+    assert schedule_kv([500], [10], 4, 256) == (1, 0)

@@ -272,3 +272,23 @@ def test_headline_tiles_and_decision_of_a_verdict_written_by_hand():
     assert decision({"verdict": v}) == "Deploy eldr-live: more capacity at this SLO."
     v["capacity_gain_vs_best_lb_pct"]["eldr-live"] = iv(-6.0, -9.0, -3.0)
     assert decision({"verdict": v}).startswith("Do not deploy eldr-live")
+
+
+def test_report_says_how_much_the_verdict_rests_on_the_cost_model(report):
+    """Issue 29 item 5: verdict.cost_model {provenance, sensitivity}; the unmoved row is the headline's gain,
+    the four moved ones are searched again (per-expert and fixed cost each x0.75 and x1.25)."""
+    v = json.loads((report / "report.json").read_text())["verdict"]
+    cm = v["cost_model"]
+    assert cm["provenance"] == "MEASURED cost model (measured) on test"  # the given artifact's source and device
+    rows = cm["sensitivity"]
+    assert [(r["per_expert_scale"], r["fixed_scale"]) for r in rows] == [(1.0, 1.0), (0.75, 1.0), (1.25, 1.0),
+                                                                         (1.0, 0.75), (1.0, 1.25)]
+    assert {r["router"] for r in rows} == {"eldr-live"} and {r["vs"] for r in rows} == {v["best_load_balancer"]}
+    assert rows[0]["capacity_gain_pct"] == v["capacity_gain_vs_best_lb_pct"]["eldr-live"]
+    for r in rows:
+        lo, hi = r["capacity_gain_pct"]["ci95"]
+        assert lo <= r["capacity_gain_pct"]["mean"] <= hi
+    # the moved costs give other capacities (the searches ran with them), and the text says so
+    assert len({r["capacity_gain_pct"]["mean"] for r in rows}) > 1
+    assert "How much this rests on the cost model: eldr-live's capacity gain" in v["text"]
+    assert "per-expert cost x0.75" in v["text"] and "fixed cost x1.25" in v["text"]

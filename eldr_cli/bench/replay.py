@@ -27,13 +27,14 @@ distinct active experts -- what :meth:`CostModel.step_ms` takes. With expert par
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import numpy as np
 
 from eldr_cli.artifacts.trace import Trace
 from eldr_cli.bench.workload import row_ref
-from eldr_cli.costmodel import CostModel
+from eldr_cli.costmodel import CostModel, step_ms_from_terms
 from eldr_cli.errors import EldrError
 
 
@@ -112,6 +113,8 @@ class TraceReplay:
         self.n_layers, self.num_experts = L, E
         self.ep = cost.ep_ranks
         self.token_scale = cost.token_scale(trace.model.get("top_k"))
+        self.terms = tuple(float(x) for x in cost.step_terms(L, self.token_scale))  # the step's form
+        self.predicted_cost = cost  # what a cost-aware router predicts with (see with_true_cost)
         steps = np.asarray(trace.decode_steps, dtype=np.int64)
         self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
         if self.offsets.shape != (R + 1,) or int(self.offsets[-1]) != trace.decode_picks.shape[0]:
@@ -141,6 +144,14 @@ class TraceReplay:
         # rows with no decode steps: point them at an all-zero mask appended at the end
         self._empty = self.decode_masks.shape[0]
         self.decode_masks = np.vstack([self.decode_masks, np.zeros((1, self.words), dtype=np.uint64)])
+
+    def with_true_cost(self, cost) -> "TraceReplay":
+        """This replay with steps timed by ``cost`` while cost-aware routers keep predicting with this one's
+        (a GPU that differs from the cost model the router was given): the report's sensitivity."""
+        rp = copy.copy(self)
+        rp.cost = cost
+        rp.terms = tuple(float(x) for x in cost.step_terms(self.n_layers, self.token_scale))
+        return rp
 
     @property
     def n_rows(self) -> int:
@@ -191,12 +202,11 @@ class TraceReplay:
             a = int(np.bitwise_count(u).sum())
             c = a if self.ep <= 1 else self.charged(u)
         tokens = len(rows) + recompute_tokens
-        if self.roofline is not None:
-            from eldr_cli.costmodel.roofline import terms_ms
-
-            ctx = self.prompt_tokens[np.asarray(rows, dtype=np.int64)] + np.asarray(tokens_done, dtype=np.int64)
-            return float(terms_ms(self.roofline.step_terms(), c, tokens, float(ctx.sum()))), a
-        return self.cost.step_ms(c, self.n_layers, tokens, self.token_scale), a
+        ctx = 0.0
+        if self.roofline is not None and len(rows):  # each running request reads its KV at its context
+            ctx = float((self.prompt_tokens[np.asarray(rows, dtype=np.int64)]
+                         + np.asarray(tokens_done, dtype=np.int64)).sum())
+        return float(step_ms_from_terms(self.terms, c, tokens, ctx)), a
 
     def wraps(self, row: int, max_tokens: int) -> bool:
         """Whether a request of ``max_tokens`` on ``row`` decodes past the row's captured steps."""
@@ -207,13 +217,9 @@ class TraceReplay:
         if self.ep > 1 and len(rows):
             a = self.charged(np.bitwise_or.reduce(self.prefill_masks[np.asarray(rows, dtype=np.int64)], axis=0))
         tokens = int(self.prompt_tokens[np.asarray(rows, dtype=np.int64)].sum()) if len(rows) else 0
-        if self.roofline is not None:
-            # the roofline with the batch's prompt tokens as its tokens and no KV read (the linearisation
-            # would charge a reference-context KV read per prompt token); the same form as a roofline
-            # cost model's own step_ms without context
-            r = self.roofline
-            return max(r.memory_ms(a, 0.0), r.compute_ms(tokens, 0.0)) + r.facts.n_layers * r.overhead_us / 1e3, a
-        return self.cost.step_ms(a, self.n_layers, tokens, self.token_scale), a
+        # the batch's prompt tokens as its tokens and no KV read (a roofline's linearisation would charge a
+        # reference-context KV read per prompt token)
+        return float(step_ms_from_terms(self.terms, a, tokens, 0.0)), a
 
 
 def prefill_batch(queue_tokens: list[int], max_batched_tokens: int) -> int:

@@ -167,6 +167,12 @@ def moe_layer_cmd(
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads (1 = steadier on a shared machine)."),
     device: str = typer.Option("auto", "--device", help="auto (the CUDA GPU when torch sees one, else this CPU), "
                                                         "cpu or cuda."),
+    backend: str = typer.Option("auto", "--backend", help="auto (grouped on a GPU, loop on a CPU), grouped "
+                                "(torch._grouped_mm over all experts, per-expert row offsets) or loop (one matmul "
+                                "chain per active expert)."),
+    launch: str = typer.Option("auto", "--launch", help="auto (graph on a GPU, eager on a CPU), graph (CUDA graph "
+                               "replay, as engines run decode steps) or eager (Python launches; the loop is "
+                               "launch-bound on a GPU)."),
     seed: int = SEED,
     force: bool = FORCE,
 ) -> None:
@@ -174,7 +180,7 @@ def moe_layer_cmd(
     fit the cost model t = a + b*active + c*tokens per layer (+ non-MoE term); Fig. 2."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
-    from eldr_cli.costmodel.moe_layer import resolve_device, run_moe_layer
+    from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device, run_moe_layer
     from eldr_cli.errors import EldrError
 
     def ints(s, name):
@@ -191,17 +197,17 @@ def moe_layer_cmd(
     sizes = ints(batches, "batches"), ints(actives, "active")
     from eldr_cli.artifacts.guard import check_output
 
-    resolve_device(device)  # an unknown or absent device fails before anything is written
+    resolve_backend(backend, launch, resolve_device(device), dtype)  # fails before anything is written
     check_output(out, "cost-model", force=force or None)  # before minutes of timing
     with console.status("timing the MoE layer ...") as st, replacing(out, force):
         run_moe_layer(out, num_experts=experts, hidden=hidden, intermediate=intermediate, top_k=top_k,
                       batches=sizes[0], actives=sizes[1], repeats=repeats,
-                      dtype=dtype, threads=threads, seed=seed, device=device,
+                      dtype=dtype, threads=threads, seed=seed, device=device, backend=backend, launch=launch,
                       progress=lambda i, n: st.update(f"timing the MoE layer: round {i}/{n}"))
     a = Artifact(out)
     c, m = a.params["coefficients_ms"], a.metrics
     console.print(f"cost model (measured on {a.params['device']}, {a.params['threads']} thread(s), "
-                  f"{a.params['dtype']}): per MoE "
+                  f"{a.params['dtype']}; {a.params['timed']}): per MoE "
                   f"layer [bold]{c['a']:.3f} + {c['b']:.3f}*active + {c['c']:.4f}*tokens[/] ms, non-MoE "
                   f"{c['e']:.3f} + {c['d']:.4f}*tokens ms; fit R^2 {m['fit_r2']:.3f}, median |rel err| "
                   f"{100 * m['fit_median_abs_rel_error']:.1f}%")
@@ -229,9 +235,10 @@ def cost_model_cmd(
     out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
     force: bool = FORCE,
 ) -> None:
-    """A GPU decode-step cost model from first principles (roofline, not measured), calibrated once on the
-    paper's Fig. 2 (MI300X + Qwen3-30B-A3B: 16 -> 128 active experts = 4.7x); refuses a deployment whose
-    weights and minimum KV pool do not fit in HBM."""
+    """A GPU decode-step cost model from first principles (roofline), its bandwidth efficiencies and fixed
+    per-layer costs fitted to measurements shipped with eldr for the H100-SXM and H200 presets (other devices:
+    an assumed efficiency and the paper's MI300X Fig. 2 ratio, said in the artifact); refuses a deployment
+    whose weights and minimum KV pool do not fit in HBM."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
@@ -249,6 +256,7 @@ def cost_model_cmd(
                   f"EP{p['ep']}; per MoE layer {c['a']:.4f} + {c['b']:.4f}*active + {c['c']:.5f}*requests ms "
                   f"(KV at {context} tokens); step at batch 1 {m['step_ms_batch1']:.2f} ms; "
                   f"Fig. 2 ratio {m['fig2_ratio_128_vs_16_batch64']:.2f}x")
+    console.print(f"calibration: {p['calibration']['provenance']}")
     console.print(f"deployment: {d['gpus_per_instance']} GPU(s) per instance (TP{d['tp']}"
                   f"{' chosen: the smallest that fits' if d['tp_chosen'] == 'auto' else ''}), weights "
                   f"{d['weights_gb_per_gpu']:.1f} GB per GPU of {d['hbm_gb_per_gpu']:g} GB, KV capacity "

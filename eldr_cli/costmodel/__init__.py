@@ -17,9 +17,28 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from eldr_cli.errors import EldrError
 
 KIND = "cost-model"
+
+
+def step_ms_from_terms(terms, charged, batch, context):
+    """THE decode step (ms): ``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A charged experts
+    (summed over MoE layers), B requests (tokens) and C their summed context, ``terms`` =
+    ``cost.step_terms()`` = (const, kb, kt, m0, kv, kc, ka, has_roof). Without a roof (a measured linear
+    model) the memory form is taken as is. Every consumer evaluates a step through this function: the
+    cost models' ``step_ms``, the trace replay, eldr-live's prediction (numpy arrays over decoders) and the
+    simulator's compiled loop (``simulator.core.step_time`` is this function compiled by numba)."""
+    mem = terms[3] + terms[1] * charged + terms[4] * context
+    if terms[7] != 0.0:
+        mem = np.maximum(mem, terms[5] * batch + terms[6] * context)
+    return terms[0] + mem + terms[2] * batch
+
+
+def _context_sum(context) -> float:
+    return 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
 
 
 @dataclass(frozen=True)
@@ -56,8 +75,8 @@ class CostModel:
         """One step: ``active_total`` = sum over the L layers of distinct active experts. ``context`` (the
         running requests' context lengths) feeds a GPU roofline's KV term; a layer timed on this CPU has
         no KV term, so it is ignored here."""
-        return (n_layers * (self.a_ms + self.c_ms * token_scale * tokens + self.e_ms + self.d_ms * tokens)
-                + self.b_ms * active_total)
+        return float(step_ms_from_terms(self.step_terms(n_layers, token_scale), active_total, tokens,
+                                        _context_sum(context)))
 
     def coefficients(self, token_scale: float = 1.0) -> tuple[float, float, float]:
         """(per-step constant per layer, per active expert, per token per layer) for fast loops."""
@@ -90,6 +109,29 @@ class CostModel:
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
                    top_k=art.params.get("top_k"))
+
+
+class ScaledCostModel:
+    """``base`` with its per-expert term (kb: one charged expert's weight read) and its fixed per-step term
+    (const: the per-layer fixed costs) scaled: the report's sensitivity of the verdict to the cost model.
+    Everything else (KV, dense weights, compute, deployment) is ``base``'s."""
+
+    def __init__(self, base: CostModel, per_expert_scale: float, fixed_scale: float):
+        self.base, self.per_expert_scale, self.fixed_scale = base, float(per_expert_scale), float(fixed_scale)
+
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+        t = [float(x) for x in self.base.step_terms(n_layers, token_scale)]
+        t[0] *= self.fixed_scale
+        t[1] *= self.per_expert_scale
+        return tuple(t)
+
+    def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
+                context=None) -> float:
+        return float(step_ms_from_terms(self.step_terms(n_layers, token_scale), active_total, tokens,
+                                        _context_sum(context)))
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
 
 
 def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,

@@ -54,6 +54,77 @@ def resolve_device(device: str) -> str:
     return "cuda" if device == "auto" and has_cuda else ("cpu" if device == "auto" else device)
 
 
+BACKENDS = ("auto", "grouped", "loop")
+LAUNCHES = ("auto", "graph", "eager")
+
+
+def resolve_backend(backend: str, launch: str, device: str, dtype: str) -> tuple[str, str, str]:
+    """(backend, launch, label) for a resolved device. ``auto``: on a GPU, a grouped GEMM over all experts
+    with per-expert row offsets (``torch._grouped_mm``, what fused MoE kernels run: only active experts'
+    weights are read) replayed from a CUDA graph, as engines replay decode steps; on a CPU the per-expert loop,
+    eager (no CUDA graphs on a CPU). The eager loop on a GPU is there only on request, labelled launch-bound."""
+    import torch
+
+    if backend not in BACKENDS:
+        raise EldrError(f"unknown --backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if launch not in LAUNCHES:
+        raise EldrError(f"unknown --launch {launch!r}; expected one of {', '.join(LAUNCHES)}")
+    gpu = device == "cuda"
+    b = backend if backend != "auto" else ("grouped" if gpu else "loop")
+    mode = launch if launch != "auto" else ("graph" if gpu else "eager")
+    if mode == "graph" and not gpu:
+        raise EldrError("--launch graph: CUDA graphs need a CUDA GPU; on a CPU the layer is launched eagerly",
+                        hint="use --launch eager (or auto) on a CPU")
+    if b == "grouped":
+        if not hasattr(torch, "_grouped_mm"):
+            raise EldrError(f"--backend grouped needs torch._grouped_mm, which torch {torch.__version__} lacks",
+                            hint="use --backend loop, or torch >= 2.8")
+        if gpu and (torch.cuda.get_device_capability() < (9, 0) or dtype != "bfloat16"):
+            raise EldrError(f"--backend grouped on {torch.cuda.get_device_name()}: torch._grouped_mm runs bf16 on "
+                            f"compute capability >= 9.0 (this GPU {torch.cuda.get_device_capability()}, "
+                            f"--dtype {dtype})", hint="use --dtype bfloat16 on an H100/H200, or --backend loop")
+    what = {"grouped": "grouped GEMM over all experts, per-expert row offsets (torch._grouped_mm)",
+            "loop": "one matmul chain per active expert"}[b]
+    how = {"graph": "replayed from a CUDA graph",
+           "eager": "launched eagerly from Python" + (": LAUNCH-BOUND on a GPU (kernel launches, not weight reads)"
+                                                      if gpu and b == "loop" else "")}[mode]
+    if mode == "eager" and not gpu:
+        how += " (CUDA graph capture skipped: no CUDA GPU)"
+    return b, mode, f"{what}, {how}"
+
+
+def _grouped_plan(routes, num_experts: int, dev):
+    """(token order [sum of rows], int32 row offsets [E]) of a route list: tokens grouped by expert, every
+    expert a group (inactive ones empty), as torch._grouped_mm takes them."""
+    import torch
+
+    by = dict(routes)
+    order, offs, n = [], [], 0
+    for e in range(num_experts):
+        idx = by.get(e)
+        if idx is not None:
+            order.append(idx)
+            n += int(idx.numel())
+        offs.append(n)
+    return torch.cat(order).to(dev), torch.tensor(offs, dtype=torch.int32, device=dev)
+
+
+def _graphed(fn, *args):
+    """``fn(*args)`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*args)
+    return g.replay
+
+
 def device_label(device: str) -> str:
     import platform
 
@@ -66,11 +137,14 @@ def device_label(device: str) -> str:
 
 def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512, top_k: int = 8,
                    batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7, dtype: str = "float32",
-                   threads: int | None = 1, seed: int = 0, device: str = "cpu",
-                   progress=None) -> tuple[list[dict], list[dict], dict]:
+                   threads: int | None = 1, seed: int = 0, device: str = "cpu", backend: str = "auto",
+                   launch: str = "auto", progress=None) -> tuple[list[dict], list[dict], dict]:
     """Returns (moe rows, non-moe rows, facts). Each moe row: batch, active_experts, ms (min of repeats).
-    ``device``: ``cpu`` or ``cuda`` (see :func:`resolve_device`)."""
+    ``device``: ``cpu`` or ``cuda`` (see :func:`resolve_device`); ``backend``/``launch`` see
+    :func:`resolve_backend`."""
     import torch
+
+    backend, launch, how = resolve_backend(backend, launch, device, dtype)
 
     if threads:
         torch.set_num_threads(threads)
@@ -98,6 +172,15 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
             out.index_add_(0, idx, h @ w_down[e])
         return out
 
+    def moe_grouped(x, plan):
+        order, offs = plan
+        xs = x.index_select(0, order)
+        h = torch.nn.functional.silu(torch._grouped_mm(xs, w_gate, offs=offs)) * torch._grouped_mm(xs, w_up,
+                                                                                                   offs=offs)
+        out = torch.zeros_like(x)
+        out.index_add_(0, order, torch._grouped_mm(h, w_down, offs=offs))
+        return out
+
     def non_moe(x):
         var = x.pow(2).mean(-1, keepdim=True)
         xn = x * torch.rsqrt(var + 1e-6)
@@ -112,35 +195,52 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     # token indices live on the device already, so a timed call copies nothing from the host
     routes = {(b, a): [(e, torch.from_numpy(toks).to(dev)) for e, toks in _routing(b, a, top_k, num_experts, rng)]
               for b, a in points}
-    best = {p: float("inf") for p in points}
-    best_dense = {b: float("inf") for b in batches}
-    order = list(points)
+    layer, arg = (moe_grouped, {p: _grouped_plan(routes[p], num_experts, dev) for p in points}) \
+        if backend == "grouped" else (moe, routes)
     with torch.inference_mode():
-        for p in points:  # warm-up
-            moe(inputs[p[0]], routes[p])
+        call = {p: (_graphed(layer, inputs[p[0]], arg[p]) if launch == "graph" else
+                    (lambda p=p: layer(inputs[p[0]], arg[p]))) for p in points}
+    dense = {b: (lambda b=b: non_moe(inputs[b])) for b in batches}
+    best, best_dense = _time_rounds(call, dense, repeats, sync, rng, progress)
+    moe_rows = [{"batch": b, "active_experts": a, "ms": best[(b, a)] * 1e3} for b, a in points]
+    dense_rows = [{"batch": b, "ms": best_dense[b] * 1e3} for b in batches]
+    facts = {"num_experts": num_experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k,
+             "dtype": dtype, "threads": int(torch.get_num_threads()), "repeats": repeats,
+             "torch": torch.__version__, "backend": backend, "launch": launch, "timed": how,
+             "device_type": dev.type, "launch_bound": bool(dev.type == "cuda" and backend == "loop"
+                                                           and launch == "eager")}
+    return moe_rows, dense_rows, facts
+
+
+def _time_rounds(call: dict, dense: dict, repeats: int, sync, rng, progress) -> tuple[dict, dict]:
+    """Seconds per point (min over ``repeats`` interleaved, shuffled rounds) of the MoE calls and the dense
+    ones: on a shared machine other processes only ever add time, so the minimum is the least biased."""
+    import torch
+
+    best = {p: float("inf") for p in call}
+    best_dense = {b: float("inf") for b in dense}
+    order = list(call)
+    with torch.inference_mode():
+        for p in order:  # warm-up
+            call[p]()
         sync()
         for rep in range(repeats):
             rng.shuffle(order)
             for p in order:
                 sync()
                 t0 = time.perf_counter()
-                moe(inputs[p[0]], routes[p])
+                call[p]()
                 sync()
                 best[p] = min(best[p], time.perf_counter() - t0)
-            for b in batches:
+            for b, fn in dense.items():
                 sync()
                 t0 = time.perf_counter()
-                non_moe(inputs[b])
+                fn()
                 sync()
                 best_dense[b] = min(best_dense[b], time.perf_counter() - t0)
             if progress:
                 progress(rep + 1, repeats)
-    moe_rows = [{"batch": b, "active_experts": a, "ms": best[(b, a)] * 1e3} for b, a in points]
-    dense_rows = [{"batch": b, "ms": best_dense[b] * 1e3} for b in batches]
-    facts = {"num_experts": num_experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k,
-             "dtype": dtype, "threads": int(torch.get_num_threads()), "repeats": repeats,
-             "torch": torch.__version__, "backend": "torch", "device_type": dev.type}
-    return moe_rows, dense_rows, facts
+    return best, best_dense
 
 
 def fit_cost_model(moe_rows: list[dict], dense_rows: list[dict]) -> tuple[CostModel, dict]:
@@ -165,7 +265,7 @@ def fit_cost_model(moe_rows: list[dict], dense_rows: list[dict]) -> tuple[CostMo
 def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512,
                   top_k: int = 8, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7,
                   dtype: str = "float32", threads: int | None = 1, seed: int = 0, device: str = "auto",
-                  progress=None) -> Path:
+                  backend: str = "auto", launch: str = "auto", progress=None) -> Path:
     import polars as pl
 
     from eldr_cli.bench import figures as plots
@@ -176,7 +276,8 @@ def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int 
     t0 = time.perf_counter()
     moe_rows, dense_rows, facts = time_moe_layer(
         num_experts=num_experts, hidden=hidden, intermediate=intermediate, top_k=top_k, batches=batches,
-        actives=actives, repeats=repeats, dtype=dtype, threads=threads, seed=seed, device=dev, progress=progress)
+        actives=actives, repeats=repeats, dtype=dtype, threads=threads, seed=seed, device=dev, backend=backend,
+        launch=launch, progress=progress)
     if len(moe_rows) < 3:
         raise EldrError("too few (batch, active experts) points to fit the cost model; give more values")
     model, fit = fit_cost_model(moe_rows, dense_rows)

@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from eldr_cli.costmodel import CostModel, write_cost_model
+from eldr_cli.costmodel import CostModel, step_ms_from_terms, write_cost_model
 from eldr_cli.costmodel.deployment import (
     DEPLOYMENT_KEYS,
     GPU_MEMORY_UTILIZATION,
@@ -134,8 +134,17 @@ class Roofline:
     dtype: str = "bf16"
     tp: int = 1
     ep: int = 1
-    efficiency: float = BANDWIDTH_EFFICIENCY
-    overhead_us: float = 0.0    # per layer per step
+    efficiency: float = BANDWIDTH_EFFICIENCY   # achieved / nominal HBM bandwidth, weight reads
+    attn_fixed_us: float = 0.0  # per decoder layer per step (attention's fixed cost)
+    moe_fixed_us: float = 0.0   # per MoE layer per step (the expert GEMMs' fixed cost)
+    kv_efficiency: float = 0.0  # achieved / nominal HBM bandwidth, KV reads (0: as ``efficiency``)
+    compute_efficiency: float = 1.0  # achieved / peak tensor FLOP/s
+
+    @property
+    def overhead_us(self) -> float:
+        """The fixed cost per step averaged per decoder layer (attention's and the MoE layers')."""
+        f = self.facts
+        return self.attn_fixed_us + self.moe_fixed_us * f.moe_layers / f.n_layers
 
     @property
     def dp(self) -> int:
@@ -151,8 +160,12 @@ class Roofline:
         return self.hbm_tbps * 1e12 * self.efficiency
 
     @property
+    def kv_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12 * (self.kv_efficiency or self.efficiency)
+
+    @property
     def flops_per_s(self) -> float:
-        return self.tflops * 1e12 * DTYPE_FLOPS[self.dtype]
+        return self.tflops * 1e12 * DTYPE_FLOPS[self.dtype] * self.compute_efficiency
 
     @property
     def expert_bytes(self) -> float:
@@ -198,11 +211,11 @@ class Roofline:
         :meth:`compute_ms`, :meth:`step_ms` use it too."""
         f, w = self.facts, DTYPE_BYTES[self.dtype]
         bw, fl = self.bytes_per_s / 1e3, self.flops_per_s / 1e3  # per ms
-        return (f.n_layers * self.overhead_us / 1e3,
+        return ((f.n_layers * self.attn_fixed_us + f.moe_layers * self.moe_fixed_us) / 1e3,
                 self.expert_read_bytes / bw,
                 0.0,
                 f.dense_params * w / self.tp / bw,
-                self.kv_bytes_per_token_gpu / self.dp / bw,
+                self.kv_bytes_per_token_gpu / self.dp / (self.kv_bytes_per_s / 1e3),
                 2 * (f.dense_params / self.gpus + f.top_k * f.moe_layers * f.expert_params / self.gpus) / fl,
                 2 * f.attn_dim * f.n_layers / self.gpus / fl,
                 1.0)
@@ -218,30 +231,30 @@ class Roofline:
     def step_ms(self, active_total: float, contexts) -> float:
         """One decode step: ``contexts`` = each running request's current context length (tokens)."""
         ctx = np.asarray(contexts, dtype=float)
-        return terms_ms(self.step_terms(), active_total, int(ctx.size), float(ctx.sum()))
+        return float(terms_ms(self.step_terms(), active_total, int(ctx.size), float(ctx.sum())))
 
     def moe_layer_ms(self, batch: int, active: int) -> float:
-        """One MoE layer's expert computation alone (the quantity of the paper's Fig. 2)."""
+        """One MoE layer's expert computation alone on one GPU (the quantity of the paper's Fig. 2 and of the
+        measured tables): max(weight read, GEMM FLOPs) + the MoE layer's fixed cost."""
         mem = active * self.expert_read_bytes / self.bytes_per_s
         comp = 2 * batch * self.facts.top_k * self.facts.expert_params / self.gpus / self.flops_per_s
-        return (max(mem, comp) + self.overhead_us / 1e6) * 1e3
+        return (max(mem, comp) + self.moe_fixed_us / 1e6) * 1e3
+
+    def attention_layer_ms(self, batch: int, context: int) -> float:
+        """One decode-attention layer's KV read on one GPU: ``batch`` requests of ``context`` tokens each."""
+        kv_layer = self.kv_bytes_per_token_gpu / self.facts.n_layers
+        return (batch * context * kv_layer / self.dp / self.kv_bytes_per_s + self.attn_fixed_us / 1e6) * 1e3
 
     def linear(self, context: int) -> CostModel:
         """Memory-bound linearisation in the simulator's form (per trace layer = per MoE layer):
         a = overhead and dense weights, b = one expert, c = one request's KV at ``context`` tokens."""
-        f, L = self.facts, self.facts.moe_layers
-        _, kb, _, m0, kv, _, _, _ = self.step_terms()
-        return CostModel(a_ms=(m0 + f.n_layers * self.overhead_us / 1e3) / L, b_ms=kb, c_ms=context * kv / L,
+        L = self.facts.moe_layers
+        const, kb, _, m0, kv, _, _, _ = self.step_terms()
+        return CostModel(a_ms=(m0 + const) / L, b_ms=kb, c_ms=context * kv / L,
                          source="roofline", device="", top_k=None)
 
 
-def terms_ms(terms, active_total: float, batch: float, context: float) -> float:
-    """Evaluate :meth:`Roofline.step_terms` (the simulator's compiled ``step_time`` mirrors this)."""
-    const, kb, kt, m0, kv, kc, ka, roof = terms
-    mem = m0 + kb * active_total + kv * context
-    if roof:
-        mem = max(mem, kc * batch + ka * context)
-    return const + mem + kt * batch
+terms_ms = step_ms_from_terms  # the one step formula (eldr_cli.costmodel), under its earlier name
 
 
 @dataclass(frozen=True)
@@ -273,14 +286,14 @@ class RooflineCostModel(CostModel):
     def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
                 context=None) -> float:
         c = 0.0 if context is None else float(np.sum(np.asarray(context, dtype=float)))
-        return terms_ms(self._terms, active_total, tokens, c)
+        return float(terms_ms(self._terms, active_total, tokens, c))
 
     @classmethod
     def from_params(cls, p: dict) -> "RooflineCostModel":
         """From the params of an artifact written by :func:`run_cost_model`."""
         r = Roofline(ModelFacts(**p["facts"]), float(p["hbm_tbps"]), float(p["tflops_bf16"]), dtype=p["dtype"],
                      tp=int(p["tp"]), ep=int(p["ep"]), efficiency=float(p["bandwidth_efficiency"]),
-                     overhead_us=float(p["overhead_us_per_layer"]))
+                     **_fixed_costs(p))
         c = p["coefficients_ms"]
         # artifacts written before deployments were checked carry no KV capacity: no deployment (no cap)
         dep = {**p.get("deployment", {}), **{k: p[k] for k in DEPLOYMENT_KEYS}} \
@@ -288,6 +301,15 @@ class RooflineCostModel(CostModel):
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
                    source="roofline", device=p.get("device", ""), top_k=p.get("top_k"), deployment=dep,
                    roofline=r, reference_context=int(p.get("reference_context", 0)))
+
+
+def _fixed_costs(p: dict) -> dict:
+    """The roofline's calibrated constants from artifact params; an artifact written before calibrations
+    has one per-layer overhead, charged on every layer as it was."""
+    c = p.get("calibration") or {}
+    if "moe_fixed_us" in c:
+        return {k: float(c[k]) for k in ("attn_fixed_us", "moe_fixed_us", "kv_efficiency", "compute_efficiency")}
+    return {"attn_fixed_us": float(p["overhead_us_per_layer"])}
 
 
 def calibrate(efficiency: float = BANDWIDTH_EFFICIENCY) -> float:
@@ -319,8 +341,10 @@ def build(model: str | os.PathLike, *, device: str | None = None, hbm_tbps: floa
         raise EldrError("give --device NAME, or --hbm-tbps, --tflops and --hbm-gb (a custom GPU)")
     if min(bw, tf) <= 0:
         raise EldrError("--hbm-tbps and --tflops must be > 0")
-    overhead = calibrate()
-    r, d = plan(lambda t: Roofline(facts, bw, tf, dtype=dtype, tp=t, ep=ep, overhead_us=overhead), facts,
+    from eldr_cli.costmodel.calibration import calibrated
+
+    const, _ = calibrated(dev if device else None, name, dtype)
+    r, d = plan(lambda t: Roofline(facts, bw, tf, dtype=dtype, tp=t, ep=ep, **const(t)), facts,
                 model=name, device=dev, tp=tp, ep=ep, hbm_gb=gb, util=gpu_memory_utilization,
                 min_kv_tokens=min_kv_tokens)
     return name, dev, r, d
@@ -334,6 +358,8 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
     """Write a `cost-model` artifact (source "roofline") usable by the simulator and the emulator; its
     params carry the deployment (``tp``, ``ep``, ``dtype``, ``gpus_per_instance``, ``kv_capacity_tokens``
     and the rest under ``deployment``)."""
+    from eldr_cli.costmodel.calibration import calibration_params
+
     if context < 0:
         raise EldrError("--context must be >= 0")
     name, dev, r, d = build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, hbm_gb=hbm_gb, dtype=dtype,
@@ -362,8 +388,7 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
         "roofline": "step_ms = max(memory, compute) + n_layers*overhead, per GPU; memory = (dense/TP + charged "
                     "experts' weights (union at 1/TP each; with EP the busiest rank's, whole) + every request's "
                     "KV at its context) / (HBM bandwidth x efficiency)",
-        "calibration": {**CALIBRATION, "active": list(CALIBRATION["active"]),
-                        "note": "efficiency fixed (assumption); per-layer overhead solved so the ratio holds"},
+        "calibration": calibration_params(dev if device else None, name, r),
         "linearisation": "coefficients are the memory-bound form per MoE layer, KV at reference_context",
         "facts": asdict(f), "n_layers": f.moe_layers, "num_experts": f.num_experts},
         metrics=metrics)

@@ -14,6 +14,7 @@ import numpy as np
 
 from eldr_cli.bench.replay import TraceReplay, prefill_batch, prompt_of
 from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
+from eldr_cli.simulator.core import schedule_kv
 
 STEP_FIELDS = ("t_s", "batch", "active_experts", "step_ms", "late_ms")
 CATCH_UP_S = 0.05  # a step that ended up to 50 ms late is made up by the following steps
@@ -142,33 +143,23 @@ class DecodeWorker(Worker):
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
 
-    @staticmethod
-    def _blocks(r: DecodeRequest) -> int:
-        """KV blocks during its next step: context + the token the step writes (``_blocks_for_step``)."""
-        return (int(r.prompt_tokens) + r.ntok + KV_BLOCK_TOKENS) // KV_BLOCK_TOKENS
-
     def _schedule(self) -> None:
         cap = self.kv_blocks
         if cap is None:
             while self.waiting and len(self.running) < self.max_seqs:
                 self.running.append(self.waiting.popleft())
             return
-        used = sum(self._blocks(r) for r in self.running)
-        preempted = False
-        while used > cap and len(self.running) > 1:
+        # the simulator's compiled rule itself, on this worker's requests' contexts (prompt + generated)
+        kept, admit = schedule_kv([int(r.prompt_tokens) + r.ntok for r in self.running],
+                                  [int(r.prompt_tokens) + r.ntok for r in self.waiting], cap, self.max_seqs)
+        while len(self.running) > kept:  # the latest admitted go back to the queue's head, in their order
             r = self.running.pop()
-            used -= self._blocks(r)
             r.recompute = True
             self.waiting.appendleft(r)
             self.preemptions += 1
-            preempted = True
-        while not preempted and self.waiting and len(self.running) < self.max_seqs:
-            need = self._blocks(self.waiting[0])
-            if self.running and used + need > cap:
-                break  # FIFO: the head waits for KV to free
+        for _ in range(admit):
             self.running.append(self.waiting.popleft())
-            used += need
-        self.kv_used = used
+        self.kv_used = sum((int(r.prompt_tokens) + r.ntok + KV_BLOCK_TOKENS) // KV_BLOCK_TOKENS for r in self.running)
 
     def submit(self, req: DecodeRequest) -> None:
         if self.replay.wraps(req.row, req.max_tokens):

@@ -98,6 +98,36 @@ def change_at(study: dict, pct: int, router: str, key: str, base: str | None = N
                                                                               key))
 
 
+def best_lb_at(study: dict, pct: int) -> dict | None:
+    """The load balancer with the lowest mean median TPOT at one load point, and those it cannot be told
+    from (their paired per-seed TPOT change against it spans 0): a "best" chosen among overlapping ones."""
+    got = {r: mean_ci(_seed_values(study, pct, r, "tpot_p50_ms")) for r in study["capacity"] if r in LOAD_BALANCERS}
+    got = {r: m for r, m in got.items() if m is not None}
+    if not got:
+        return None
+    best = min(got, key=lambda r: (got[r].mean, r))  # type: ignore[union-attr]
+    ties = [r for r in got if r != best and (c := change_at(study, pct, r, "tpot_p50_ms", best)) is not None
+            and c.spans_zero]
+    return {"load_pct": pct, "router": best, "tpot_p50_ms": round(got[best].mean, 4),  # type: ignore[union-attr]
+            "indistinguishable_from": ties}
+
+
+def live_minus_eldr(study: dict) -> Interval | None:
+    """eldr-live's capacity gain minus eldr's, both against the best load balancer, paired per seed, in
+    percentage points (widened by the capacity search's tolerance as :func:`capacity_gain` is)."""
+    if not {"eldr", "eldr-live"} <= set(study["capacity"]):
+        return None
+    b = _rates(study, study["best_lb"])
+    diff = [100.0 * (x - y) / z for x, y, z in zip(_rates(study, "eldr-live"), _rates(study, "eldr"), b, strict=True)
+            if z > 0]
+    iv = mean_ci(diff)
+    if iv is None or iv.lo is None or iv.hi is None:
+        return iv
+    top = max(float(np.mean(_rates(study, r))) for r in ("eldr", "eldr-live"))
+    tol = 100.0 * TOLERANCE * top / max(float(np.mean(b)), 1e-9)
+    return Interval(iv.mean, iv.lo - tol, iv.hi + tol, iv.n)
+
+
 def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> dict:
     """report.json's ``verdict`` (without its text): the keys tools read, then today's four at 75% load."""
     routers = list(study["capacity"])
@@ -109,6 +139,13 @@ def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> 
                "capacity_gain_vs_best_lb_pct": {}, "decode_instances_saved_pct": {},
                "binding_slo": {r: _binding(study, r) for r in routers},
                "by_load": [], "change_vs_best_lb_by_load": [], "deployment": deployment}
+    loads = sorted({row["load_pct"] for row in study["by_load"]})
+    v["best_lb_by_load"] = [b for pct in loads if (b := best_lb_at(study, pct)) is not None]
+    at = {b["load_pct"]: b["router"] for b in v["best_lb_by_load"]}
+    v["eldr_live_minus_eldr_capacity_pp"] = _iv(live_minus_eldr(study), 2)
+    v["best_load_balancer_indistinguishable_from"] = [
+        r for r in routers if r in LOAD_BALANCERS and r != best
+        and (c := paired_pct_ci(_rates(study, r), _rates(study, best))) is not None and c.spans_zero]
     for r in routers:
         if r in LOAD_BALANCERS:
             continue
@@ -119,10 +156,11 @@ def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> 
         pct, r = row["load_pct"], row["router"]
         v["by_load"].append({"load_pct": pct, "router": r, "rate_rps": round(row["rate_rps"], 3),
                              **{k: _iv(mean_ci([m.get(k) for m in row["seeds"]])) for k in BY_LOAD_KEYS}})
-        if r != best:
+        base = at.get(pct, best)  # the load balancer with the lowest median TPOT at this load
+        if r != base:
             v["change_vs_best_lb_by_load"].append(
-                {"load_pct": pct, "router": r, **{k.replace("_ms", "_pct"): _iv(change_at(study, pct, r, k), 2)
-                                                  for k in BY_LOAD_KEYS}})
+                {"load_pct": pct, "router": r, "vs": base,
+                 **{k.replace("_ms", "_pct"): _iv(change_at(study, pct, r, k, base), 2) for k in BY_LOAD_KEYS}})
     # today's four keys keep their meaning: the paper's eldr against the best load balancer
     v.update(legacy_keys(study, "eldr" if "eldr" in routers else headline_router(routers)))
     return v
@@ -213,12 +251,13 @@ def _load_words(v: dict, router: str) -> str:
         if m is None:
             continue
         at = f"{c['load_pct']}%"
+        vs = c.get("vs", v["best_load_balancer"])
         if lo is None or hi is None or lo <= 0 <= hi:
             same.append(at)
         elif hi < 0:
-            helps.append(f"{at} ({m:+.1f}%, {lo:+.1f} to {hi:+.1f})")
+            helps.append(f"{at} (vs {vs}: {m:+.1f}%, {lo:+.1f} to {hi:+.1f})")
         else:
-            hurts.append(f"{at} ({m:+.1f}%, {lo:+.1f} to {hi:+.1f})")
+            hurts.append(f"{at} (vs {vs}: {m:+.1f}%, {lo:+.1f} to {hi:+.1f})")
     parts = []
     if helps:
         parts.append("it helps at " + ", ".join(helps))
@@ -228,8 +267,17 @@ def _load_words(v: dict, router: str) -> str:
         parts.append("no measurable difference at " + ", ".join(same))
     if not parts:
         return ""
-    return (f" Median TPOT against {v['best_load_balancer']} by load (% of its capacity): " + "; ".join(parts)
-            + ".")
+    return (f" Median TPOT by load (% of {v['best_load_balancer']}'s capacity), paired against the load balancer "
+            f"with the lowest median TPOT at that load ({_best_words(v)}): " + "; ".join(parts) + ".")
+
+
+def _best_words(v: dict) -> str:
+    """"10% jsq, 25% round-robin (indistinguishable from p2c)"."""
+    out = []
+    for b in v.get("best_lb_by_load", []):
+        ties = b["indistinguishable_from"]
+        out.append(f"{b['load_pct']}% {b['router']}" + (f" (indistinguishable from {', '.join(ties)})" if ties else ""))
+    return ", ".join(out) or v["best_load_balancer"]
 
 
 def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried: tuple[float, float]) -> str:
@@ -245,7 +293,9 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried:
                 "capacities are lower bounds and no gain can be measured. Tighten the SLO.")
     best = v["best_load_balancer"]
     cap = v["capacity_rps"][best]
-    out = head + f" The best load balancer is {best}: {cap['mean']:.3g} req/s."
+    ties = v.get("best_load_balancer_indistinguishable_from") or []
+    out = head + f" The best load balancer is {best}: {cap['mean']:.3g} req/s" + (
+        f" (chosen among overlapping intervals: {', '.join(ties)} cannot be told from it)." if ties else ".")
     router = headline_router(list(v["capacity_rps"]))
     for r, g in v["capacity_gain_vs_best_lb_pct"].items():
         iv = _from_json(g)

@@ -56,7 +56,18 @@ def default_cost_model(tr, work: Path) -> tuple[Path, str]:
             refused = e
     else:
         raise refused
-    return out, f"first-principles roofline, {how}, {dtype}, on {DEFAULT_DEVICE} (not measured)"
+    return out, f"first-principles roofline, {how}, {dtype}, on {DEFAULT_DEVICE}: {cost_provenance(out)}"
+
+
+def cost_provenance(cost_model) -> str:
+    """One sentence: MEASURED (on which device) or the roofline and its calibration (or that it has none)."""
+    from eldr_cli.artifacts.store import Artifact
+
+    p = Artifact(cost_model).params
+    if p.get("source") != "roofline":
+        return f"MEASURED cost model ({p.get('source', 'measured')}) on {p.get('device', 'cpu')}"
+    cal = p.get("calibration") or {}
+    return cal.get("provenance") or "roofline NOT calibrated on a measurement (written before calibrations)"
 
 
 def replay_text(res: dict) -> str:
@@ -236,7 +247,14 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
                         duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes, work, step) -> dict:
     """The capacity study and its verdict: the report document without replay and figures."""
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.pipeline.capacity_verdict import build_verdict, deployment_facts, tpot_figure, verdict_text
+    from eldr_cli.pipeline.capacity_sensitivity import sensitivity, sensitivity_text
+    from eldr_cli.pipeline.capacity_verdict import (
+        build_verdict,
+        deployment_facts,
+        headline_router,
+        tpot_figure,
+        verdict_text,
+    )
 
     cost = CostModel.load(cost_model)
     setup, slo, bound, prefill_ms = _setup(trace, tr, routing, cost_model, cost, split, n_decode, max_tokens,
@@ -252,6 +270,9 @@ def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names
     v = build_verdict(study, slo, seed_list, deployment_facts(cost))
     tried = (start / 2 ** 10, start * 2 ** 5)
     v["text"] = verdict_text(v, cost_label, setup.n_prefill, n_decode, tried)
+    rows = sensitivity(setup, study, slo, seed_list, start, headline_router(names))
+    v["cost_model"] = {"provenance": cost_provenance(cost_model), "sensitivity": rows}
+    v["text"] += sensitivity_text(rows)
     (work / "capacity").mkdir()
     tpot_figure(work / "capacity" / "tpot_vs_load.png", v)
     R, L, E = tr.prefill_counts.shape

@@ -62,8 +62,13 @@ def headline(doc: dict) -> list[tuple[str, str, str]]:
             tile("decode instances for the same traffic",
                  None if saved is None else Interval(-saved.mean, None if saved.hi is None else -saved.hi,
                                                      None if saved.lo is None else -saved.lo, 0)),
-            tile(f"TPOT p50 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p50_pct"))),
-            tile(f"TPOT p99 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p99_pct")))]
+            vs(tile(f"TPOT p50 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p50_pct"))), at),
+            vs(tile(f"TPOT p99 at {LEGACY_LOAD_PCT}% load", _iv(at.get("tpot_p99_pct"))), at)]
+
+
+def vs(t: tuple[str, str, str], at: dict) -> tuple[str, str, str]:
+    """A TPOT tile's small print names the load balancer it is paired against (the lowest TPOT there)."""
+    return t[0], t[1], "; ".join(x for x in (t[2], f"vs {at['vs']}" if at.get("vs") else "") if x)
 
 
 def decision(doc: dict) -> str:
@@ -83,8 +88,24 @@ def decision(doc: dict) -> str:
         return "No decision: capacity gain not measurable."
     if g.spans_zero:
         return f"No measurable capacity difference between {r} and {v['best_load_balancer']} at this SLO."
-    return (f"Deploy {r}: more capacity at this SLO." if g.mean > 0 else
-            f"Do not deploy {r} for this workload and SLO: it carries less traffic than {v['best_load_balancer']}.")
+    out = (f"Deploy {r}: more capacity at this SLO." if g.mean > 0 else
+           f"Do not deploy {r} for this workload and SLO: it carries less traffic than {v['best_load_balancer']}.")
+    return out + _live_vs_eldr(v, r)
+
+
+def _live_vs_eldr(v: dict, r: str) -> str:
+    """Why the headline router and not eldr: their paired capacity difference, and the reason."""
+    d = _iv(v.get("eldr_live_minus_eldr_capacity_pp") or {"mean": None, "ci95": [None, None]})
+    if r != "eldr-live" or d is None or d.lo is None or d.hi is None:
+        return ""
+    diff = f"eldr-live minus eldr: {d.mean:+.1f} capacity points (95% CI {d.lo:+.1f} to {d.hi:+.1f}, paired)"
+    if d.spans_zero:
+        return (f" {diff}: no measurable difference, so eldr-live, serve-proxy's default (it predicts each request's "
+                "experts as it runs instead of holding a fixed placement), is the one named.")
+    if d.mean > 0:
+        return f" {diff}: eldr-live carries measurably more than eldr."
+    return (f" {diff}: eldr carries measurably more here; eldr-live is named as serve-proxy's default, and "
+            "`--policy eldr` is the better choice for this workload.")
 
 
 def capacity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
@@ -133,7 +154,9 @@ def _facts(doc: dict) -> list[list[str]]:
             ["trace", f"{t['requests']} requests, {t['n_layers']} MoE layers x {t['num_experts']} experts, "
                       f"top-{t['top_k']}; served: {s['split']} rows"],
             ["domains", ", ".join(f"{k}: {n}" for k, n in t["domains"].items()) or "unlabelled"],
-            ["cost model", s["cost_model"]], ["decode instance", ds],
+            ["cost model", s["cost_model"]],
+            ["cost model provenance", (v.get("cost_model") or {}).get("provenance", "not stated")],
+            ["decode instance", ds],
             ["topology", f"{s['prefill']} prefill, {s['decode']} decode workers; {s['max_tokens']} output tokens "
                          "per request"],
             ["SLO", f"TPOT p90 <= {v['slo']['tpot_p90_ms']:g} ms, TTFT p90 <= {v['slo']['ttft_p90_ms']:g} ms"
@@ -143,6 +166,13 @@ def _facts(doc: dict) -> list[list[str]]:
                                 "is within 2%; the capacity is its lower end (error < 2%)"],
             ["runs", f"{s['runs']} simulated runs, {s['simulate_s']:.0f} s; warm-up {s['warmup_s']:.0f} s, "
                      f"measured window {s['min_window_s']:.3g} s, but 300 to 2,000 requests"]]
+
+
+def _sensitivity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
+    rows = (v.get("cost_model") or {}).get("sensitivity") or []
+    return ("sensitivity", ["per-expert cost", "fixed cost", "router", "capacity vs best LB, %"],
+            [[f"x{r['per_expert_scale']:g}", f"x{r['fixed_scale']:g}", f"{r['router']} vs {r['vs']}",
+              fmt_change(_iv(r["capacity_gain_pct"]))] for r in rows])
 
 
 def _fit_text(doc: dict) -> str:
@@ -181,6 +211,9 @@ def sections(doc: dict) -> list[Section]:
            Section("Capacity at SLO", "SIMULATED", tables=[capacity_table(v)]),
            Section("Load regimes", "SIMULATED", ["Mean [95% interval] over seeds; changes are paired per seed."],
                    tables=_load_tables(v)),
+           Section("How much the verdict rests on the cost model", "SIMULATED",
+                   ["The GPU's per-expert and fixed costs moved by 25% while the router keeps the model's."],
+                   tables=[_sensitivity_table(v)]),
            Section("Deployment and method", "", tables=[("facts", ["", ""], _facts(doc))])]
     if doc.get("replay") and doc["replay"].get("results"):
         res = doc["replay"]

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.model import RoutingModel
 from eldr_cli.routing.policies import Policy, Ranking
@@ -108,7 +109,6 @@ class EldrLivePolicy(Policy):
         self._recount = np.zeros(self.act.shape[1])
         self.active = np.zeros(n_workers)                                   # A_d
         self.ctx = np.zeros(n_workers)                                      # C_d (all replicas)
-        self.mem = np.full(n_workers, self.terms[3])                        # m0 + kb A_d + kv C_d
         self._n_live = [0] * n_workers                                      # requests, all replicas
         self._dirty: set[int] = set()  # decoders whose q is stale: refreshed once, at the next pick
         self.where: dict[Any, tuple[int, int, int]] = {}
@@ -125,14 +125,10 @@ class EldrLivePolicy(Policy):
         ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
         B = np.array(ld, dtype=np.float64)
         C = self.ctx
-        const, kb, kt, m0, kv, kc, ka, roof = self.terms
-        mem = self.mem
-        mem1 = mem + (kb * (self.q @ self.act[m]) + kv * c_new)  # + the experts and context the request adds
-        if roof:
-            mem, mem1 = np.maximum(mem, kc * B + ka * C), np.maximum(mem1, kc * (B + 1) + ka * (C + c_new))
-        base = const + kt * B
-        T = (base + mem) * (B > 0)  # an idle decoder runs no step
-        T1 = base + kt + mem1
+        # each decoder's next step without and with the request (its expected new experts and its context),
+        # by the one step formula the simulator and the replay use
+        T = step_ms_from_terms(self.terms, self.active, B, C) * (B > 0)  # an idle decoder runs no step
+        T1 = step_ms_from_terms(self.terms, self.active + self.q @ self.act[m], B + 1, C + c_new)
         cost = T1 + B * (T1 - T)
         lo = min(ld)
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
@@ -186,7 +182,6 @@ class EldrLivePolicy(Policy):
     def _refresh(self) -> None:
         """q_d and A_d of the decoders whose live set changed since the last pick (lazily: a dispatch and a
         finish on one decoder between two decisions cost one refresh)."""
-        m0, kb, kv = self.terms[3], self.terms[1], self.terms[4]
         for d in self._dirty:
             self.ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
             if not self._n_live[d]:
@@ -202,7 +197,6 @@ class EldrLivePolicy(Policy):
                 np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
                 np.exp(self._scratch, out=self.q[d])
                 self.active[d] = self.q.shape[1] - float(self.q[d].sum())
-            self.mem[d] = m0 + kb * self.active[d] + kv * self.ctx[d]
         self._dirty.clear()
 
     def idle_probabilities(self) -> np.ndarray:

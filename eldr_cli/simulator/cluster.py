@@ -91,7 +91,7 @@ class SimulatedCluster:
         self.replay, self.prompts, self.schedule, self.name = replay, prompts, schedule, router
         self.max_tokens, self.prefill_max_tokens = max_tokens, prefill_max_tokens
         self.router: DecodeRouter = make_router(router, n_decode, model=model, tau=tau, seed=seed, oracle=oracle,
-                                                cost=replay.cost)
+                                                cost=replay.predicted_cost)
         n = len(schedule)
         if item_rows is not None:
             self.req_row = np.asarray(item_rows, dtype=np.int64)[np.asarray(schedule.prompt_index, dtype=np.int64)]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
 
 INF = np.inf
@@ -56,18 +57,8 @@ def _popcount64(x):
     return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
 
 
-@njit(cache=True, inline="always")
-def step_time(terms, active, batch, context):
-    """``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` (ms), C = summed context of the batch;
-    ``terms`` = cost.step_terms(): (const, kb, kt, m0, kv, kc, ka, has_roof). Without a roof (a measured
-    linear model) the memory form is taken as is, so ``const + kb*A + kt*B`` is evaluated in the same
-    order as before and gives bit-identical times."""
-    mem = terms[3] + terms[1] * active + terms[4] * context
-    if terms[7] != 0.0:
-        comp = terms[5] * batch + terms[6] * context
-        if comp > mem:
-            mem = comp
-    return terms[0] + mem + terms[2] * batch
+# the one step formula (eldr_cli.costmodel.step_ms_from_terms), compiled for the simulator's loop
+step_time = njit(cache=True, inline="always")(step_ms_from_terms)
 
 
 @njit(cache=True, inline="always")
@@ -158,6 +149,27 @@ def _schedule_kv(d, req, wk, run, qbuf, cap, max_seqs):
         run[d, wk[W_NRUN, d]] = rid
         wk[W_NRUN, d] += 1
         wk[W_QHEAD, d] += 1
+
+
+def schedule_kv(running_ctx, waiting_ctx, kv_blocks: int, max_seqs: int) -> tuple[int, int]:
+    """vLLM's block scheduling (:func:`_schedule_kv`, the simulator's own compiled rule) for a caller that
+    keeps its requests elsewhere (the emulator): ``running_ctx`` / ``waiting_ctx`` = each running request's
+    and each queued request's (FIFO, head first) context tokens. Returns (running requests kept: the rest,
+    the latest admitted, are preempted back to the queue's head in their order; queue heads admitted)."""
+    n_run, n_wait = len(running_ctx), len(waiting_ctx)
+    n = n_run + n_wait
+    req = np.zeros((8, max(n, 1)), dtype=np.int64)
+    req[R_CTX0, :n] = np.concatenate([np.asarray(running_ctx, dtype=np.int64),
+                                      np.asarray(waiting_ctx, dtype=np.int64)])
+    run = np.zeros((1, max(int(max_seqs), n_run, 1)), dtype=np.int64)
+    run[0, :n_run] = np.arange(n_run)
+    qbuf = np.zeros((1, max(n, 1)), dtype=np.int64)
+    qbuf[0, :n] = np.arange(n)  # slots before the head stand for the running requests (room to preempt into)
+    wk = np.zeros((5, 1), dtype=np.int64)
+    wk[W_NRUN, 0], wk[W_QHEAD, 0], wk[W_QTAIL, 0] = n_run, n_run, n
+    _schedule_kv(0, req, wk, run, qbuf, int(kv_blocks), int(max_seqs))
+    kept = min(int(wk[W_NRUN, 0]), n_run) if wk[W_PREEMPT, 0] else n_run
+    return kept, int(wk[W_NRUN, 0]) - kept
 
 
 @njit(cache=True)
