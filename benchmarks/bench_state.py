@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -126,8 +127,11 @@ def _before_tree(tmp: Path) -> Path:
     return dst
 
 
+_KEY = secrets.token_hex(32)
+
+
 def _replica(tmp, name, tree, pre, dec, state, port, *extra):
-    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": "k" * 32}
+    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": _KEY}  # both trees accept a 256-bit hex key
     p = bp._spawn([bp.PY, "-m", "eldr_cli", "serve-proxy", *sum((["--prefill", u] for u in pre), []),
                    *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
                    "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log", env=env)

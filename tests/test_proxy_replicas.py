@@ -22,7 +22,7 @@ from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread, wait_http
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "s3cret"
+TOKEN = "nSdsgYHMUJrNra6uG3HvVlMwp2n0I0q0tjf_TZkhnjY"  # strong enough to derive the state key
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 

@@ -18,7 +18,7 @@ from eldr_cli.routing import Decision
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "reserve-test-token"
+TOKEN = "twVifMMFRcu3cMI8JS-VhOZ9_r2DnlDjopCSJg_W_fo"  # strong enough to derive the state key
 
 
 @pytest.fixture(scope="module")

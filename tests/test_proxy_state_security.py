@@ -18,7 +18,7 @@ from eldr_cli.proxy.replicas.redis_server import RedisServer
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "s3cret-admin-token"
+TOKEN = "h8qAN_4KJ3LkA2nwK-gAoS0kWk-PmtQkgX_LJuAtJ-E"  # a test token: 43 base64url characters
 PASSWORD = "redis-pass-1"
 
 
@@ -165,7 +165,7 @@ def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
 def test_a_replica_with_the_wrong_key_is_ignored_and_visible(stubs, redis_url, tmp_path):
     (p0, d0, d1, _), _ = stubs
     keyfile = tmp_path / "other.key"
-    keyfile.write_text("another-key-0123456789abcdef")
+    keyfile.write_text("9mzM9C6EL3-jKnsHbIUwrOSRbB3QOuzlNETndu7vsoE")  # another strong key
     keyfile.chmod(0o600)
     a, sa = _replica([p0], [d0, d1], redis_url)
     c, sc = _replica([p0], [d0, d1], redis_url, state_key_file=str(keyfile))

@@ -21,8 +21,12 @@ def serve_proxy_cmd(
     tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the artifact's tau)."),
     host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="Port (default 8000)."),
-    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN",
-                                              help="Bearer token for /admin/* (unset: admin disabled)."),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token",
+                                              help="Refused (a command line is visible to every user): set "
+                                                   "$ELDR_ADMIN_TOKEN or use --admin-token-file."),
+    admin_token_file: Optional[str] = typer.Option(None, "--admin-token-file",
+                                                   help="File (mode 600) with the bearer token for /admin/* "
+                                                        "(or $ELDR_ADMIN_TOKEN; unset: admin disabled)."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML or TOML file with the same keys."),
     decision_log: Optional[str] = typer.Option(None, "--decision-log", help="FILE.jsonl or FILE.parquet."),
     scrape_metrics: Optional[bool] = typer.Option(None, "--scrape-metrics/--no-scrape-metrics",
@@ -53,10 +57,12 @@ def serve_proxy_cmd(
     """Route each request's decode leg by its expert signature and live load (ELDR §4.3.2)."""
     from eldr_cli.console import console
     from eldr_cli.proxy import build_config, serve
+    from eldr_cli.proxy.config import refuse_command_line_secrets
 
+    refuse_command_line_secrets(admin_token, state)
     cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
                        cost_model=str(cost_model) if cost_model else None,
-                       policy=policy, tau=tau, host=host, port=port, admin_token=admin_token,
+                       policy=policy, tau=tau, host=host, port=port, admin_token_file=admin_token_file,
                        decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
                        log_level=log_level, state=state, workers=workers, state_key_file=state_key_file,
                        state_password_file=state_password_file, state_ca_file=state_ca_file,

@@ -8,8 +8,10 @@ A receiver checks the tag before it parses anything, then the time window and (f
 changes) that the origin's sequence number grows; anything else is dropped, counted by reason
 (``eldr_proxy_state_rejected_total{reason}``) and logged once per reason and claimed origin.
 
-The key: ``--state-key-file`` (mode 600), else ``$ELDR_STATE_KEY``, else derived from the admin
-token (HKDF-SHA256 with a fixed label, so the token itself is never the MAC key). Never an option
+The key: ``--state-key-file`` (only its owner may read it: mode 600 or 400), else ``$ELDR_STATE_KEY``,
+else derived from the admin token (HKDF-SHA256 with a fixed label, so the token itself is never the MAC
+key). Whichever it is must hold at least 256 bits by :func:`weakness`: a signed value is public to
+anyone who can read Redis, so a guessable secret can be found offline at any speed. Never an option
 value: the command line is visible to every user of the host.
 """
 
@@ -31,7 +33,8 @@ from eldr_cli.errors import EldrError
 log = logging.getLogger("eldr.proxy.state")
 
 KEY_ENV = "ELDR_STATE_KEY"
-MIN_KEY_BYTES = 16
+MIN_KEY_BITS = 256
+MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 CHANGE_WINDOW_S = 30.0  # admin and health changes: older (or further ahead, clock skew) is stale
 COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a replay dies young
 REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed")
@@ -45,8 +48,33 @@ def _hkdf(ikm: bytes, info: bytes) -> bytes:
     return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
 
 
-def read_secret_file(path: str, flag: str, min_bytes: int = 1) -> bytes:
-    """A secret from a file that only its owner (and group) can read; EldrError naming ``flag``."""
+def weakness(secret: bytes) -> str | None:
+    """Why ``secret`` is too weak to sign with (None: strong enough). A check of length per alphabet, not a
+    proof of randomness: hex counts 4 bits a character, base64/base64url 6, other printable text 6.5, raw
+    bytes 8; a secret with few distinct characters is refused whatever its length (``aaaa...``)."""
+    s = secret.strip()
+    try:
+        text = s.decode("ascii")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or not text.isprintable():
+        bits_per = 8.0
+    elif all(c in "0123456789abcdef" for c in text.lower()):
+        bits_per = 4.0
+    elif all(c.isalnum() or c in "-_+/=" for c in text):
+        bits_per = 6.0
+    else:
+        bits_per = 6.5
+    bits = int(len(s) * bits_per)
+    if bits < MIN_KEY_BITS:
+        return f"holds about {bits} bits ({len(s)} characters); at least {MIN_KEY_BITS} are needed"
+    if len(set(s)) < min(len(s) // 4, 12):
+        return f"repeats a few characters ({len(set(s))} distinct in {len(s)}); it is not random"
+    return None
+
+
+def read_secret_file(path: str, flag: str) -> bytes:
+    """A secret from a regular file that only its owner can read (mode & 077 == 0); EldrError naming ``flag``."""
     p = Path(path)
     try:
         st = p.stat()
@@ -56,36 +84,41 @@ def read_secret_file(path: str, flag: str, min_bytes: int = 1) -> bytes:
         raise EldrError(f"{flag} {path} cannot be read: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise EldrError(f"{flag} {path} is not a regular file")
-    if st.st_mode & 0o007:
-        raise EldrError(f"{flag} {path} is readable by every user of this host (mode {st.st_mode & 0o777:o})",
-                        hint=f"chmod 600 {path}")
+    if st.st_mode & 0o077:
+        raise EldrError(f"{flag} {path} can be read or written by users other than its owner "
+                        f"(mode {st.st_mode & 0o777:o})", hint=f"chmod 600 {path}")
     try:
         raw = p.read_bytes().strip()
     except OSError as e:
         raise EldrError(f"{flag} {path} cannot be read: {e.strerror}") from None
     if not raw:
         raise EldrError(f"{flag} {path} is empty")
-    if len(raw) < min_bytes:
-        raise EldrError(f"{flag} {path} holds {len(raw)} bytes; use at least {min_bytes}",
-                        hint="e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`")
     return raw
+
+
+def _strong(secret: bytes, what: str, fix: str) -> bytes:
+    why = weakness(secret)
+    if why is not None:
+        raise EldrError(f"{what} is too weak to sign the shared state: it {why}", hint=fix)
+    return secret
 
 
 def resolve_state_key(key_file: str | None, admin_token: str | None, state: str) -> tuple[bytes, str]:
     """(MAC key, where it came from) for ``--state redis://``; EldrError saying how to set one."""
     if key_file:
-        return _hkdf(read_secret_file(key_file, "--state-key-file", MIN_KEY_BYTES), b"state key"), "key file"
+        raw = _strong(read_secret_file(key_file, "--state-key-file"), f"--state-key-file {key_file}",
+                      f"{MAKE_ONE} > {key_file}; chmod 600 {key_file}")
+        return _hkdf(raw, b"state key"), "key file"
     env = os.environ.get(KEY_ENV)
     if env:
-        if len(env.encode()) < MIN_KEY_BYTES:
-            raise EldrError(f"{KEY_ENV} holds {len(env.encode())} bytes; use at least {MIN_KEY_BYTES}",
-                            hint=f"export {KEY_ENV}=$(openssl rand -hex 32)")
-        return _hkdf(env.encode(), b"state key"), KEY_ENV
+        return _hkdf(_strong(env.encode(), KEY_ENV, f"export {KEY_ENV}=$({MAKE_ONE})"), b"state key"), KEY_ENV
     if admin_token:
+        _strong(admin_token.encode(), "ELDR_ADMIN_TOKEN (the only key source)",
+                f"set a separate {KEY_ENV}=$({MAKE_ONE}) on every replica, or make the token that strong")
         return _hkdf(admin_token.encode(), b"from admin token"), "admin token"
     raise EldrError(f"--state {state} needs a key every replica shares, to sign what they tell each other",
-                    hint=f"export {KEY_ENV}=$(openssl rand -hex 32) on every replica, or pass --state-key-file "
-                         "FILE (mode 600); ELDR_ADMIN_TOKEN also works (the key is derived from it)")
+                    hint=f"export {KEY_ENV}=$({MAKE_ONE}) on every replica, or pass --state-key-file "
+                         "FILE (mode 600)")
 
 
 class Opened(NamedTuple):
