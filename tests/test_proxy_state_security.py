@@ -14,6 +14,7 @@ import redis as redis_py
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.auth import Envelope, resolve_state_key
+from eldr_cli.proxy.replicas.configsync import ConfigSync
 from eldr_cli.proxy.replicas.redis_server import RedisServer
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
@@ -78,11 +79,18 @@ def _sealed(key: bytes, ns: str, origin: str, kind: str, payload, age_s: float =
     return env._tag(body) + b"." + body
 
 
-def _battery(r, seal, ns, evil, real_decoder):
-    """The issue's attack (and the counts and heartbeat variants), each message made by ``seal``."""
-    r.publish(f"{ns}:admin", seal("workers", {"action": "add", "role": "decode", "url": evil}))
-    r.publish(f"{ns}:admin", seal("health", {"role": "decode", "url": real_decoder, "healthy": False}))
-    r.publish(f"{ns}:admin", seal("policy", {"policy": "round-robin"}))
+def _genuine(key, ns, origin):
+    """A replica's change sealing (versioned, as RedisState publishes them), for a replica that is not running."""
+    return ConfigSync(Envelope(key, ns, origin), ns).seal_change
+
+
+def _battery(r, seal, ns, evil, real_decoder, change=None):
+    """The issue's attack (and the counts and heartbeat variants), each message made by ``seal`` (changes by
+    ``change``, default ``seal``)."""
+    change = change or seal
+    r.publish(f"{ns}:admin", change("workers", {"action": "add", "role": "decode", "url": evil}))
+    r.publish(f"{ns}:admin", change("health", {"role": "decode", "url": real_decoder, "healthy": False}))
+    r.publish(f"{ns}:admin", change("policy", {"policy": "round-robin"}))
     r.set(f"{ns}:inflight:ghost", seal("counts", {"c": {f"decode|{real_decoder}": 50}}), px=5000)
     r.sadd(f"{ns}:replicas", "ghost")
     r.publish(f"{ns}:counts", seal("counts", {"c": {f"decode|{real_decoder}": 50}}))
@@ -104,11 +112,11 @@ def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, targe
     _battery(r, lambda k, p: _sealed(b"not the key" * 3, ns, "attacker", k, p), ns, evil, d0)
     _battery(r, lambda k, p: _sealed(key, ns, "attacker", k, p, age_s=120), ns, evil, d0)
     # a genuine change, then the same bytes again (replayed) after a newer one
-    genuine = Envelope(key, ns, "replica-b")
-    m1 = genuine.seal("policy", {"policy": "round-robin"})
+    genuine = _genuine(key, ns, "replica-b")
+    m1 = genuine("policy", {"policy": "round-robin"})
     r.publish(f"{ns}:admin", m1)
     assert _until(lambda: a.state.policy_name == "round-robin", 3)
-    r.publish(f"{ns}:admin", genuine.seal("policy", {"policy": "jsq"}))
+    r.publish(f"{ns}:admin", genuine("policy", {"policy": "jsq"}))
     assert _until(lambda: a.state.policy_name == "jsq", 3)
     r.publish(f"{ns}:admin", m1)
     time.sleep(0.5)  # several heartbeats
@@ -131,7 +139,7 @@ def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, targe
 def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
     (p0, d0, d1, evil), _ = stubs
     a, sa, r, ns, key = target
-    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0)
+    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0, change=_genuine(key, ns, "ghost"))
     assert _until(lambda: len(a.state.decode) == 3 and a.state.policy_name == "round-robin"
                   and a.state.shared.live_replicas == 2)
     h, dec = _view(sa.url)
@@ -143,7 +151,7 @@ def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
 def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
     (p0, d0, d1, _), _ = stubs
     a, sa, r, ns, key = target
-    signed = Envelope(key, ns, "replica-b")
+    signed = _genuine(key, ns, "replica-b")
     # the admin endpoint refuses these; signed remote copies are refused the same way
     local = httpx.post(sa.url + "/admin/workers", json={"action": "add", "role": "decode",
                                                         "url": "http://127.0.0.1:0"},
@@ -154,7 +162,7 @@ def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
                        ("health", {"role": "decode", "url": d0, "healthy": "no"}),
                        ("policy", {"policy": "nonsense"}),
                        ("reload", {"routing": "/nonexistent"})):
-        r.publish(f"{ns}:admin", signed.seal(kind, body))
+        r.publish(f"{ns}:admin", signed(kind, body))
     m = a.metrics
     assert _until(lambda: sum(m.child(m.admin_actions, k, "remote_refused")._value.get()
                               for k in ("workers", "health", "policy", "reload")) == 5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -55,7 +55,6 @@ def serve_proxy_cmd(
                                                "through --state, or a private redis-server without it."),
 ) -> None:
     """Route each request's decode leg by its expert signature and live load (ELDR §4.3.2)."""
-    from eldr_cli.console import console
     from eldr_cli.proxy import build_config, serve
     from eldr_cli.proxy.config import refuse_command_line_secrets
 
@@ -68,7 +67,6 @@ def serve_proxy_cmd(
                        state_password_file=state_password_file, state_ca_file=state_ca_file,
                        state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
-    from eldr_cli.proxy.replicas.conn import redact
     from eldr_cli.proxy.server import bind_socket, serve_workers
 
     app = create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
@@ -81,17 +79,24 @@ def serve_proxy_cmd(
 
         require_redis_server(f"--workers {cfg.workers} without --state shares state through a private redis-server")
     sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # a busy port fails before the banner
+    _banner(cfg)
+    if cfg.workers > 1:
+        sock.close()  # each worker process binds its own SO_REUSEPORT socket
+        serve_workers(cfg)
+    else:
+        serve(cfg, sock)
+
+
+def _banner(cfg: Any) -> None:
+    from eldr_cli.console import console
+    from eldr_cli.proxy.replicas.conn import redact
+
     console.print(f"[green]eldr serve-proxy[/] on http://{cfg.host}:{cfg.port}  policy={cfg.policy}"
                   f"  prefill={len(cfg.prefill)}  decode={len(cfg.decode)}"
                   + (f"  routing={cfg.routing}" if cfg.routing else "")
                   + ("  admin=on" if cfg.admin_token else "  admin=off")
                   + (f"  workers={cfg.workers}" if cfg.workers > 1 else "")
                   + (f"  state={redact(cfg.state)}" if cfg.state != "local" else ""), highlight=False)
-    if cfg.workers > 1:
-        sock.close()  # each worker process binds its own SO_REUSEPORT socket
-        serve_workers(cfg)
-    else:
-        serve(cfg, sock)
 
 
 def register(app: typer.Typer) -> None:

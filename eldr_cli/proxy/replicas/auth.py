@@ -37,7 +37,8 @@ MIN_KEY_BITS = 256
 MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 CHANGE_WINDOW_S = 30.0  # admin and health changes: older (or further ahead, clock skew) is stale
 COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a replay dies young
-REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed")
+REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed", "outdated", "before_join", "unsynced",
+           "wrong_type", "oversized")
 _SALT = b"eldr serve-proxy shared state v1"
 _MAX_LOGGED = 1024  # (reason, origin) pairs remembered for log-once; origins are attacker-chosen
 
@@ -126,6 +127,7 @@ class Opened(NamedTuple):
     seq: int
     kind: str
     payload: Any
+    t: int  # the sender's wall clock when it sealed, ms
 
 
 class Envelope:
@@ -152,9 +154,12 @@ class Envelope:
                              "p": payload})
         return self._tag(body) + b"." + body
 
-    def open(self, data: bytes | str, kinds: tuple[str, ...], *, change: bool = False) -> Opened | None:
+    def open(self, data: bytes | str, kinds: tuple[str, ...], *, change: bool = False, timeless: bool = False,
+             own: bool = False) -> Opened | None:
         """The verified message, or None (own echo, or rejected and counted). ``change``: a run-time
-        change, whose sequence must grow per origin (a replay of one is refused even inside the window)."""
+        change, whose sequence must grow per origin (a replay of one is refused even inside the window).
+        ``timeless``: no time window (the configuration snapshot: versioned instead); ``own``: this
+        replica's own messages too."""
         if isinstance(data, str):
             data = data.encode()
         tag, dot, body = data.partition(b".")
@@ -175,10 +180,10 @@ class Envelope:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             self.reject("malformed", body)
             return None
-        if o == self.origin:
+        if o == self.origin and not own:
             return None
         window = CHANGE_WINDOW_S if change else COUNTS_WINDOW_S
-        if abs(time.time() * 1000 - t) > window * 1000:
+        if not timeless and abs(time.time() * 1000 - t) > window * 1000:
             self.reject("stale", body, o)
             return None
         if change:
@@ -186,7 +191,7 @@ class Envelope:
                 self.reject("replayed", body, o)
                 return None
             self._last_change_seq[o] = s
-        return Opened(o, s, k, p)
+        return Opened(o, s, k, p, t)
 
     def reject(self, reason: str, body: bytes = b"", origin: str | None = None) -> None:
         """Count and (once per reason and origin) log a dropped message."""

@@ -40,17 +40,17 @@ import uuid
 from typing import Any, Protocol
 
 from eldr_cli.proxy.replicas.auth import REASONS, Envelope
+from eldr_cli.proxy.replicas.channels import HEARTBEAT_S, ChannelsMixin
+from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ZERO, ConfigSync, Version, parse_version
 from eldr_cli.proxy.replicas.conn import StateConn
 from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
 from eldr_cli.proxy.replicas.reserve import Reserver
 
 log = logging.getLogger("eldr.proxy.state")
 
-HEARTBEAT_S = 0.1
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
-CHANGE_KINDS = ("policy", "workers", "reload", "health")
 MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
 
 
@@ -64,6 +64,10 @@ class StateHost(Protocol):
     def remote_vectors_changed(self) -> None: ...
 
     def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
+
+    def current_config(self) -> dict[str, Any]: ...
+
+    def adopt_config(self, config: dict[str, Any]) -> None: ...
 
 
 class LocalState:
@@ -125,7 +129,7 @@ class LocalState:
         return None
 
 
-class RedisState(LocalState):
+class RedisState(ChannelsMixin, LocalState):
     """In-flight counts and run-time changes shared through one Redis server (see module doc)."""
 
     kind = "redis"
@@ -134,6 +138,8 @@ class RedisState(LocalState):
         super().__init__()
         self.conn, self.reserve_s, self.ns = conn, reserve_ms / 1000, conn.namespace
         self.env = Envelope(key, self.ns, self.replica_id)
+        self.configs = ConfigSync(self.env, self.ns)
+        self._peer_cv: dict[str, Version] = {}  # replica -> configuration version its signed heartbeat names
         self._replicas = 1
         self._last_sync = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,6 +166,7 @@ class RedisState(LocalState):
         import redis.asyncio as aioredis
 
         self._host = host
+        self.configs.joined_ms = int(time.time() * 1000)
         self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
         if self.reserve_s > 0:
             self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s)
@@ -196,7 +203,8 @@ class RedisState(LocalState):
         """This replica's counts (and vectors, when a policy keeps some) as one signed message."""
         assert self.env is not None and self._host is not None
         workers = self._host.all_workers()
-        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers}}
+        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers},
+                                   "cv": list(self.configs.version)}
         local = {**self.local_vectors, **self._host.local_vectors()}
         if local:
             keys = {w.id: f"{w.role}|{w.url}" for w in workers}
@@ -219,6 +227,9 @@ class RedisState(LocalState):
         except (TypeError, ValueError, AttributeError, KeyError):
             self.env.reject("malformed", origin=msg.origin)
             return None
+        cv = parse_version(msg.payload.get("cv"))
+        if cv is not None:
+            self._peer_cv[msg.origin] = cv
         have = self._others.get(msg.origin)
         if have is None or have[0] < msg.seq:  # a message newer than the heartbeat wins, and vice versa
             self._others[msg.origin] = (msg.seq, counts, vectors)
@@ -230,8 +241,12 @@ class RedisState(LocalState):
         key, reg = self._key(self.replica_id), f"{self.ns}:replicas"
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(key, self._sealed_counts(), px=TTL_MS).sadd(reg, self.replica_id).srandmember(reg, MAX_REPLICAS)
-        res = await pipe.execute()
-        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[-1]} - {self.replica_id})
+        pipe.getrange(self.configs.key, 0, MAX_CONFIG_BYTES).pexpire(self.configs.key, CONFIG_TTL_MS)
+        res = await pipe.execute(raise_on_error=False)
+        for r in res[:3]:
+            if isinstance(r, Exception):
+                raise r
+        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[2]} - {self.replica_id})
         values = await self._redis.mget([self._key(o) for o in others]) if others else []
         gone, live = [], set()
         for o, v in zip(others, values, strict=True):
@@ -244,12 +259,32 @@ class RedisState(LocalState):
         if self.reserver is not None and (gone or int(time.monotonic()) != int(self._last_sync)):  # ~1/s
             await self.reserver.cleanup()
         self._others = {o: st for o, st in self._others.items() if o in live}
+        self._peer_cv = {o: v for o, v in self._peer_cv.items() if o in live}
+        self.configs.peer_max = max(self._peer_cv.values(), default=ZERO)
+        await self._sync_config(res[3])
         self._apply_remote()
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
         if self.in_outage:
             self.in_outage = False
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
+
+    async def _sync_config(self, raw: Any) -> None:
+        """The stored configuration snapshot: adopted when newer, rewritten when older or missing."""
+        assert self._host is not None and self.env is not None
+        if not isinstance(raw, bytes):
+            self.env.reject("wrong_type")  # not a string: one bad key, replaced below
+            raw = None
+        elif len(raw) > MAX_CONFIG_BYTES:
+            self.env.reject("oversized")
+            raw = None
+        what, config = self.configs.on_snapshot(raw or None, self._host.current_config)
+        if what == "adopt" and config is not None:
+            self._host.adopt_config(config)
+        elif what == "write":
+            await self._redis.set(self.configs.key, self.configs.seal_snapshot(self._host.current_config()),
+                                  px=CONFIG_TTL_MS)
+        self.configs.synced = True
 
     def _apply_remote(self) -> None:
         remote, vectors = sum_counts([(c, v) for _, c, v in self._others.values()])
@@ -323,64 +358,3 @@ class RedisState(LocalState):
             except Exception as e:  # Redis down, refused password, timeouts, protocol errors: local routing
                 self._failed(e)
             await asyncio.sleep(HEARTBEAT_S)
-
-    # -- run-time changes -----------------------------------------------------------------------
-    def publish_change(self, action: str, body: dict[str, Any]) -> None:
-        if self._redis is None or self.env is None:
-            return
-        self._spawn_publish(self.env.seal(action, body), self._channel)
-
-    def _spawn_publish(self, msg: bytes, channel: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._publish(msg, channel))
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    async def _publish(self, msg: bytes, channel: str) -> None:
-        try:
-            await asyncio.wait_for(self._redis.publish(channel, msg), timeout=1.0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._failed(e, outage=False)
-            if channel == self._channel:
-                log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
-                            extra={"event": "state", "error": str(e)})
-
-    async def _subscribe_loop(self) -> None:
-        while True:
-            pubsub = None
-            try:
-                pubsub = self._redis.pubsub()
-                await pubsub.subscribe(self._channel, self._counts_channel)
-                while True:
-                    m = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if m is None or m.get("type") != "message":
-                        continue
-                    ch = m["channel"].decode() if isinstance(m["channel"], bytes) else m["channel"]
-                    if ch == self._counts_channel:
-                        self._on_counts(m["data"])
-                    else:
-                        self._on_message(m["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._failed(e, outage=False)
-                await asyncio.sleep(HEARTBEAT_S)
-            finally:
-                if pubsub is not None:
-                    try:
-                        await pubsub.aclose()
-                    except Exception:
-                        pass
-
-    def _on_message(self, data: bytes) -> None:
-        """A run-time change from another replica: verified here, validated by the host like a local one."""
-        assert self.env is not None
-        msg = self.env.open(data, CHANGE_KINDS, change=True)
-        if msg is None:
-            return
-        if not isinstance(msg.payload, dict):
-            self.env.reject("malformed", origin=msg.origin)
-            return
-        if self._host is not None:
-            self._host.apply_remote_change(msg.kind, msg.payload)
