@@ -246,7 +246,10 @@ def test_redis_rejecting_the_password_later_is_an_outage_not_a_crash(stubs):
             resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
                               timeout=30)
             assert resp.status_code == 200 and a.state.shared.outages == 1
-            assert httpx.get(sa.url + "/health").json()["replicas"] == 1
+            # first the dropped connection ("unreachable"), then the refused password: the outage says so
+            assert _until(lambda: a.state.shared.outage_kind == "refusing", 3)
+            h = httpx.get(sa.url + "/health").json()
+            assert h["replicas"] == 1 and h["state_outage"] == "refusing"
         finally:
             sa.stop()
             sb.stop()

@@ -24,7 +24,8 @@ class HealthMixin(AppParts):
         body = {"status": "ok" if ok else "unavailable", "policy": st.policy_name, "tau": st.tau_effective(),
                 "routing": st.routing_path, "prefill_up": p_up, "decode_up": d_up,
                 "in_progress": st.in_progress, "state": st.shared.kind, "replica": st.shared.replica_id,
-                "replicas": st.shared.live_replicas, "state_rejected": st.shared.rejected,
+                "replicas": st.shared.live_replicas, "state_outage": st.shared.outage_kind,
+                "state_rejected": st.shared.rejected,
                 "state_ignored_origins": st.shared.ignored_origins(),
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
         await send_json(send, 200 if ok else 503, body)

@@ -9,7 +9,7 @@ import asyncio
 import logging
 from typing import Any
 
-from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, ConfigSync
+from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ConfigSync
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -97,6 +97,9 @@ class ChannelsMixin:
     def _on_message(self, data: bytes) -> None:
         """A run-time change from another replica: verified and versioned here (``configsync``), validated
         by the host like a local one."""
+        if len(data) > MAX_CONFIG_BYTES:
+            self.configs.env.reject("oversized")
+            return
         got = self.configs.open_change(data, CHANGE_KINDS)
         if got is not None and self._host is not None:
             self._host.apply_remote_change(*got)

@@ -44,6 +44,7 @@ from eldr_cli.proxy.replicas.channels import HEARTBEAT_S, ChannelsMixin
 from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ZERO, ConfigSync, Version, parse_version
 from eldr_cli.proxy.replicas.conn import StateConn
 from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
+from eldr_cli.proxy.replicas.reads import MAX_VALUE_BYTES, check_reserved, outage_kind, read_capped, replica_name
 from eldr_cli.proxy.replicas.reserve import Reserver
 
 log = logging.getLogger("eldr.proxy.state")
@@ -80,6 +81,7 @@ class LocalState:
         self.errors = 0
         self.outages = 0
         self.in_outage = False
+        self.outage_kind: str | None = None  # "unreachable" or "refusing" while in_outage
         self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
         self.env: Envelope | None = None
         self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.replicas.reserve)
@@ -236,28 +238,45 @@ class RedisState(ChannelsMixin, LocalState):
         return msg.origin
 
     async def sync_once(self) -> None:
-        """Publish this replica's counts and read the others' (one heartbeat)."""
-        assert self._host is not None and self._redis is not None
+        """Publish this replica's counts and read the others' (one heartbeat). Every read is tolerant
+        (:mod:`eldr_cli.proxy.replicas.reads`): a bad key or member is skipped, counted and cleared."""
+        assert self._host is not None and self._redis is not None and self.env is not None
         key, reg = self._key(self.replica_id), f"{self.ns}:replicas"
-        pipe = self._redis.pipeline(transaction=True)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.set(key, self._sealed_counts(), px=TTL_MS).sadd(reg, self.replica_id).srandmember(reg, MAX_REPLICAS)
         pipe.getrange(self.configs.key, 0, MAX_CONFIG_BYTES).pexpire(self.configs.key, CONFIG_TTL_MS)
         res = await pipe.execute(raise_on_error=False)
-        for r in res[:3]:
-            if isinstance(r, Exception):
-                raise r
-        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[2]} - {self.replica_id})
-        values = await self._redis.mget([self._key(o) for o in others]) if others else []
-        gone, live = [], set()
+        if isinstance(res[0], Exception):
+            raise res[0]  # our own key cannot be written: Redis refuses us (the outage path)
+        bad_members: list[Any] = []
+        sample: list[Any] = []
+        if isinstance(res[1], Exception) or isinstance(res[2], Exception):
+            self.env.reject("wrong_type")  # the registry is not a set: replaced (we know the others anyway)
+            await self._redis.delete(reg)
+        else:
+            sample = list(res[2])
+        names = dict.fromkeys(self._others)  # verified replicas first: a flood of fake names cannot hide them
+        for m in sample:
+            name = replica_name(m)
+            if name is None:
+                self.env.reject("malformed")
+                bad_members.append(m)
+            elif name != self.replica_id and len(names) < 2 * MAX_REPLICAS:
+                names[name] = None
+        others = list(names)
+        values = await read_capped(self._redis, [self._key(o) for o in others], MAX_VALUE_BYTES)
+        live = set()
         for o, v in zip(others, values, strict=True):
-            if v is None:
-                gone.append(o)  # expired: the replica stopped or died (or a name nobody writes)
-            elif self._accept_counts(v, replica=o) == o:
+            if isinstance(v, bytes) and v and self._accept_counts(v, replica=o) == o:
                 live.add(o)
-        if gone:
-            await self._redis.srem(reg, *gone)
-        if self.reserver is not None and (gone or int(time.monotonic()) != int(self._last_sync)):  # ~1/s
-            await self.reserver.cleanup()
+                continue
+            if isinstance(v, Exception):  # a wrong type or an oversized value under a replica's name
+                self.env.reject("oversized" if isinstance(v, ValueError) else "wrong_type")
+            bad_members.append(o)  # expired (stopped or died), garbage, or not verified: off the registry
+        if bad_members:
+            await self._redis.srem(reg, *bad_members)
+        if self.reserver is not None and int(time.monotonic()) != int(self._last_sync):  # ~1/s
+            await check_reserved(self._redis, self.reserver, self.env)
         self._others = {o: st for o, st in self._others.items() if o in live}
         self._peer_cv = {o: v for o, v in self._peer_cv.items() if o in live}
         self.configs.peer_max = max(self._peer_cv.values(), default=ZERO)
@@ -266,7 +285,7 @@ class RedisState(ChannelsMixin, LocalState):
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
         if self.in_outage:
-            self.in_outage = False
+            self.in_outage, self.outage_kind = False, None
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
 
     async def _sync_config(self, raw: Any) -> None:
@@ -321,20 +340,32 @@ class RedisState(ChannelsMixin, LocalState):
         self._spawn_publish(self._sealed_counts(), self._counts_channel)
 
     def _on_counts(self, data: bytes) -> None:
+        if len(data) > MAX_VALUE_BYTES:
+            assert self.env is not None
+            self.env.reject("oversized")
+            return
         if self._accept_counts(data) is not None:
             self._apply_remote()
 
     def _failed(self, e: BaseException, *, outage: bool = True) -> None:
-        """A failed Redis operation. Only the heartbeat decides that Redis is unreachable (``outage``):
-        a publish or subscription that fails around the same time is the same outage, counted once."""
+        """A failed Redis operation. Only the heartbeat decides that Redis is unreachable or refusing this
+        replica (``outage``): a publish or subscription that fails around the same time is the same outage,
+        counted once. An error about one key's content is no outage: sharing goes on."""
         self.errors += 1
-        if not outage:
+        kind = outage_kind(e) if outage else None
+        if kind is None:
+            if outage:
+                log.warning("shared state: a heartbeat failed on bad content; sharing goes on",
+                            extra={"event": "state", "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return
         if not self.in_outage:
-            self.in_outage = True
+            self.in_outage, self.outage_kind = True, kind
             self.outages += 1
-            log.warning("shared state unreachable: routing on this replica's counts alone until Redis answers",
-                        extra={"event": "state", "to": "local", "error": f"{type(e).__name__}: {e}"})
+            what = "unreachable" if kind == "unreachable" else "refuses this replica (password, ACL or state)"
+            log.warning(f"Redis {what}: routing on this replica's counts alone until it answers again",
+                        extra={"event": "state", "to": "local", "outage": kind,
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        self.outage_kind = kind  # the latest says it best (a dropped connection, then a refused password)
         self._others = {}  # stale counts of other replicas would mislead the band
         self._apply_remote()
         self._replicas = 1
