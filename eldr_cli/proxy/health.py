@@ -26,7 +26,7 @@ class HealthMixin(AppParts):
                 "in_progress": st.in_progress, "state": st.shared.kind, "replica": st.shared.replica_id,
                 "replicas": st.shared.live_replicas, "state_outage": st.shared.outage_kind,
                 "state_rejected": st.shared.rejected,
-                "state_ignored_origins": st.shared.ignored_origins(),
+                "state_wrong_key": st.shared.wrong_key(),
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
         await send_json(send, 200 if ok else 503, body)
 

@@ -6,7 +6,9 @@ under the key every replica shares. The tag covers the bytes on the wire, so the
 encoding to get wrong, and the namespace, so a message of one deployment is worthless in another.
 A receiver checks the tag before it parses anything, then the time window and (for run-time
 changes) that the origin's sequence number grows; anything else is dropped, counted by reason
-(``eldr_proxy_state_rejected_total{reason}``) and logged once per reason and claimed origin.
+(``eldr_proxy_state_rejected_total{reason}``) and logged at most once per reason per minute with the
+count since (so a flood of made-up origins cannot use up the log, nor hide a later rejection). Claimed
+origins appear only hashed (:func:`origin_hash`), never as text an attacker chose.
 
 The key: ``--state-key-file`` (only its owner may read it: mode 600 or 400), else ``$ELDR_STATE_KEY``,
 else derived from the admin token (HKDF-SHA256 with a fixed label, so the token itself is never the MAC
@@ -40,7 +42,9 @@ COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a rep
 REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed", "outdated", "before_join", "unsynced",
            "wrong_type", "oversized")
 _SALT = b"eldr serve-proxy shared state v1"
-_MAX_LOGGED = 1024  # (reason, origin) pairs remembered for log-once; origins are attacker-chosen
+LOG_EVERY_S = 60.0  # a rejection is logged at most once per reason per minute, with the count since
+WRONG_KEY_WINDOW_S = 60.0
+_MAX_WRONG_KEY = 4096  # distinct claimed origins remembered (hashed); above, the count saturates
 
 
 def _hkdf(ikm: bytes, info: bytes) -> bytes:
@@ -139,9 +143,10 @@ class Envelope:
         self.origin = origin
         self.seq = 0
         self.rejected: dict[str, int] = dict.fromkeys(REASONS, 0)
-        self.ignored: dict[str, float] = {}  # claimed origin -> wall time of its last bad signature
+        self.key_id = hmac.new(key, b"eldr key id", hashlib.sha256).hexdigest()[:12]  # reveals nothing of the key
+        self.wrong_key: dict[str, float] = {}  # hash of a claimed origin -> wall time of its last bad signature
         self._last_change_seq: dict[str, int] = {}  # verified origin -> highest change sequence
-        self._logged: set[tuple[str, str]] = set()
+        self._logged: dict[str, tuple[float, int]] = {}  # reason -> (monotonic time logged, rejections since)
 
     def _tag(self, body: bytes) -> bytes:
         m = self._mac.copy()
@@ -167,9 +172,7 @@ class Envelope:
             self.reject("unsigned", data)
             return None
         if not hmac.compare_digest(self._tag(body), tag):
-            self.ignored[_claimed_origin(body)] = time.time()
-            if len(self.ignored) > 16:
-                self.ignored.pop(min(self.ignored, key=self.ignored.__getitem__))
+            self._note_wrong_key(body)
             self.reject("bad_signature", body)
             return None
         try:
@@ -194,13 +197,43 @@ class Envelope:
         return Opened(o, s, k, p, t)
 
     def reject(self, reason: str, body: bytes = b"", origin: str | None = None) -> None:
-        """Count and (once per reason and origin) log a dropped message."""
+        """Count a dropped message; log the first of each reason per minute, with the count since."""
         self.rejected[reason] += 1
-        origin = origin if origin is not None else _claimed_origin(body)
-        if (reason, origin) not in self._logged and len(self._logged) < _MAX_LOGGED:
-            self._logged.add((reason, origin))
-            log.warning("shared state: message ignored", extra={
-                "event": "state_rejected", "reason": reason, "claimed_origin": origin})
+        now = time.monotonic()
+        last, since = self._logged.get(reason, (float("-inf"), 0))
+        if now - last < LOG_EVERY_S:
+            self._logged[reason] = (last, since + 1)
+            return
+        self._logged[reason] = (now, 0)
+        claimed = origin if origin is not None else _claimed_origin(body) if body else "?"
+        log.warning("shared state: message ignored", extra={
+            "event": "state_rejected", "replica": self.origin, "reason": reason, "origin_hash": origin_hash(claimed),
+            "ignored_since_last_log": since})
+
+    def _note_wrong_key(self, body: bytes) -> None:
+        now = time.time()
+        h = origin_hash(_claimed_origin(body))
+        if h not in self.wrong_key and len(self.wrong_key) >= _MAX_WRONG_KEY:
+            cutoff = now - WRONG_KEY_WINDOW_S
+            self.wrong_key = {o: t for o, t in self.wrong_key.items() if t >= cutoff}
+            if len(self.wrong_key) >= _MAX_WRONG_KEY:
+                return  # saturated: the count says "at least this many"
+        self.wrong_key[h] = now
+
+    def wrong_key_view(self) -> dict[str, Any]:
+        """Senders whose messages carry a well-formed tag made with another key, in the last minute: how
+        many (distinct claimed origins) and one hash of the set; no attacker-chosen text."""
+        cutoff = time.time() - WRONG_KEY_WINDOW_S
+        live = sorted(o for o, t in self.wrong_key.items() if t >= cutoff)
+        digest = hashlib.sha256(",".join(live).encode()).hexdigest()[:12] if live else None
+        return {"origins": len(live), "saturated": len(self.wrong_key) >= _MAX_WRONG_KEY, "hash": digest,
+                "this_key_id": self.key_id}
+
+
+def origin_hash(origin: str) -> str:
+    """A claimed origin as 12 hex characters (``sha256("eldr origin " + origin)``): an operator can hash a
+    replica id to find it; an attacker's text never reaches a log line or /health."""
+    return hashlib.sha256(b"eldr origin " + origin.encode("utf-8", "replace")).hexdigest()[:12]
 
 
 def _claimed_origin(body: bytes) -> str:

@@ -90,13 +90,9 @@ class LocalState:
     def rejected(self) -> dict[str, int]:
         return self.env.rejected if self.env is not None else dict.fromkeys(REASONS, 0)
 
-    def ignored_origins(self, within_s: float = 60.0) -> list[str]:
-        """Origins (as claimed) whose messages failed the signature check lately: a replica with
-        another key, or someone forging."""
-        if self.env is None:
-            return []
-        now = time.time()
-        return sorted(o for o, t in self.env.ignored.items() if now - t <= within_s)
+    def wrong_key(self) -> dict[str, Any] | None:
+        """Senders signing with another key in the last minute, as a count and a hash (None: no key)."""
+        return self.env.wrong_key_view() if self.env is not None else None
 
     def release(self, request: Any) -> None:
         """Give ``request.reserved`` (its reserved decode slot) back, once: its decode leg ended."""
