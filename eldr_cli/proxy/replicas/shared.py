@@ -148,6 +148,7 @@ class RedisState(ChannelsMixin, LocalState):
         # replica -> (sequence, counts, vectors): the newest verified state of each other replica
         self._others: dict[str, tuple[int, dict[str, int], dict[str, dict[str, list[int]]]]] = {}
         self._flush_scheduled = False
+        self._bad_beat_logged = float("-inf")
         self._last_flush = float("-inf")  # loop time of the last counts message
 
     def _key(self, replica: str) -> str:
@@ -350,7 +351,8 @@ class RedisState(ChannelsMixin, LocalState):
         self.errors += 1
         kind = outage_kind(e) if outage else None
         if kind is None:
-            if outage:
+            if outage and time.monotonic() - self._bad_beat_logged >= 60:  # at most once a minute
+                self._bad_beat_logged = time.monotonic()
                 log.warning("shared state: a heartbeat failed on bad content; sharing goes on",
                             extra={"event": "state", "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return
