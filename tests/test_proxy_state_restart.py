@@ -130,3 +130,39 @@ def test_a_killed_and_restarted_replica_takes_the_current_configuration_and_igno
             b.kill()
             b.wait(10)
         sa.stop()
+
+
+def test_config_versions_order_changes_and_snapshots():
+    from eldr_cli.proxy.replicas.auth import Envelope
+    from eldr_cli.proxy.replicas.configsync import ConfigSync
+
+    key, ns = b"k" * 32, "eldr:0"
+    a, b = ConfigSync(Envelope(key, ns, "a"), ns), ConfigSync(Envelope(key, ns, "b"), ns)
+    b.joined_ms -= 1000  # b started a second ago
+    m1 = a.seal_change("policy", {"policy": "p2c"})
+    assert b.open_change(m1, ("policy",)) is None and b.env.rejected["unsynced"] == 1  # before its first read
+    b.synced = True
+    m2 = a.seal_change("policy", {"policy": "jsq"})
+    assert b.open_change(m2, ("policy",)) == ("policy", {"policy": "jsq"}) and b.version == (2, "a")
+    # a replica started after a change was issued never takes it from the channel
+    c = ConfigSync(Envelope(key, ns, "c"), ns)
+    c.synced = True
+    c.joined_ms += 10_000
+    assert c.open_change(a.seal_change("policy", {}), ("policy",)) is None and c.env.rejected["before_join"] == 1
+    # a change below what a live replica runs is outdated (its heartbeat names version 9)
+    d = ConfigSync(Envelope(key, ns, "d"), ns)
+    d.synced, d.joined_ms, d.peer_max = True, d.joined_ms - 1000, (9, "x")
+    assert d.open_change(ConfigSync(Envelope(key, ns, "e"), ns).seal_change("policy", {}), ("policy",)) is None
+    assert d.env.rejected["outdated"] == 1
+    # snapshots: a newer one is adopted, an older one rewritten, a missing one written once there is a version
+    cur = {"policy": "jsq"}
+    snap_old = a.seal_snapshot({"policy": "old"})  # at a's version 3
+    a.seal_change("policy", {})
+    snap_new = a.seal_snapshot({"policy": "new"})  # at version 4
+    fresh = ConfigSync(Envelope(key, ns, "f"), ns)
+    assert fresh.on_snapshot(None, lambda: cur) == ("keep", None)
+    assert fresh.on_snapshot(snap_new, lambda: cur) == ("adopt", {"policy": "new"}) and fresh.version == (4, "a")
+    assert fresh.on_snapshot(snap_old, lambda: cur) == ("write", None)  # rolled back: rewritten
+    assert fresh.on_snapshot(None, lambda: cur) == ("write", None)  # deleted: rewritten
+    forged = Envelope(b"z" * 32, ns, "a").seal("config", {"v": [99, "a"], "c": {"policy": "evil"}})
+    assert fresh.on_snapshot(forged, lambda: cur) == ("write", None) and fresh.env.rejected["bad_signature"] == 1

@@ -81,7 +81,9 @@ class ConfigSync:
         if not self.synced:
             self.env.reject("unsynced", origin=msg.origin)
             return None
-        if v <= self.known():  # a replay of a change this replica never saw, or one overtaken by another
+        # at or below our version, or below what a live replica already runs: a replay of a change this
+        # replica never saw, or one overtaken by another (equal to a peer's: its heartbeat overtook the message)
+        if v <= self.version or v < self.peer_max:
             self.env.reject("outdated", origin=msg.origin)
             return None
         self.version = v
