@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 MAX_VALUE_BYTES = 1 << 20  # a heartbeat (signed counts, and vectors of a stateful policy)
+NEW_NAMES_BUDGET = 4 << 20  # bytes read per heartbeat under names not yet verified (sizes are read first)
 MAX_RESERVED_FIELDS = 4096  # slots in the reservation hash: more is garbage (replicas x decoders is far less)
 _NAME = re.compile(rb"[A-Za-z0-9_.-]{1,64}")
 _REFUSING = ("NOAUTH", "WRONGPASS", "NOPERM", "READONLY", "MASTERDOWN", "LOADING", "OOM", "MISCONF")
@@ -50,6 +51,31 @@ def outage_kind(e: BaseException) -> str | None:
         text = str(e).upper()
         return "refusing" if any(text.startswith(w) or f" {w}" in text for w in _REFUSING) else None
     return "unreachable"
+
+
+async def read_heartbeats(redis: Any, known: list[str], new: list[str], cap: int, budget: int) -> dict[str, Any]:
+    """Values of ``known`` keys (verified replicas: read at once, capped) and of ``new`` keys (names from the
+    registry, anyone's): their sizes first, then the values that fit ``cap`` while they fit ``budget`` in
+    all; the rest waits for a later heartbeat. Missing: b""; over ``cap``: ValueError; wrong type: the error."""
+    out: dict[str, Any] = {}
+    take = list(known)
+    if new:
+        pipe = redis.pipeline(transaction=False)
+        for k in new:
+            pipe.strlen(k)
+        left = budget
+        for k, n in zip(new, await pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(n, Exception) or not isinstance(n, int):
+                out[k] = n if isinstance(n, Exception) else ValueError("not a length")
+            elif n == 0:
+                out[k] = b""
+            elif n > cap:
+                out[k] = ValueError("oversized")
+            elif n <= left:
+                left -= n
+                take.append(k)
+    out.update(zip(take, await read_capped(redis, take, cap), strict=True))
+    return out
 
 
 async def read_capped(redis: Any, keys: list[str], cap: int) -> list[Any]:

@@ -24,10 +24,9 @@ the same "least loaded" decoder. What is shared, and how:
   applied locally first (so a change refused on one replica is published nowhere), then published on
   ``<ns>:admin``; every other replica applies the same change. Health transitions (a worker marked
   down or up by a replica's checker) are published the same way.
-- **Outage.** If Redis cannot be reached, each replica routes on its local counts alone (the remote
-  counts are dropped, not frozen), logs the outage once and counts it; sharing resumes by itself
-  when Redis answers again. No request fails because of Redis (a reservation that fails or is late
-  leaves the local decision).
+- **Outage** (Redis unreachable or refusing; garbage in a key is not one: :mod:`.reads`): each replica
+  routes on its local counts alone (the remote counts are dropped), logs it once, shares again by itself
+  when Redis answers. No request fails because of Redis.
 Decision logs stay per replica. :class:`LocalState` is the single-process default (nothing shared).
 """
 
@@ -44,7 +43,14 @@ from eldr_cli.proxy.replicas.channels import HEARTBEAT_S, ChannelsMixin
 from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ZERO, ConfigSync, Version, parse_version
 from eldr_cli.proxy.replicas.conn import StateConn
 from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
-from eldr_cli.proxy.replicas.reads import MAX_VALUE_BYTES, check_reserved, outage_kind, read_capped, replica_name
+from eldr_cli.proxy.replicas.reads import (
+    MAX_VALUE_BYTES,
+    NEW_NAMES_BUDGET,
+    check_reserved,
+    outage_kind,
+    read_heartbeats,
+    replica_name,
+)
 from eldr_cli.proxy.replicas.reserve import Reserver
 
 log = logging.getLogger("eldr.proxy.state")
@@ -260,10 +266,14 @@ class RedisState(ChannelsMixin, LocalState):
                 bad_members.append(m)
             elif name != self.replica_id and len(names) < 2 * MAX_REPLICAS:
                 names[name] = None
-        others = list(names)
-        values = await read_capped(self._redis, [self._key(o) for o in others], MAX_VALUE_BYTES)
+        values = await read_heartbeats(self._redis, [self._key(o) for o in names if o in self._others],
+                                       [self._key(o) for o in names if o not in self._others],
+                                       MAX_VALUE_BYTES, NEW_NAMES_BUDGET)
         live = set()
-        for o, v in zip(others, values, strict=True):
+        for o in names:
+            v = values.get(self._key(o))
+            if v is None:
+                continue  # over this heartbeat's budget: read later
             if isinstance(v, bytes) and v and self._accept_counts(v, replica=o) == o:
                 live.add(o)
                 continue
