@@ -116,15 +116,16 @@ def test_moe_layer_command_times_and_fits(tmp_path):
     assert (out / "fig2_moe_layer.png").stat().st_size > 1000
 
 
-def test_moe_layer_device_cuda_without_a_gpu_is_a_user_error(tmp_path):
+def test_moe_layer_device_cuda_without_a_gpu_is_a_user_error(tmp_path, monkeypatch):
     import torch
 
     from eldr_cli.costmodel.moe_layer import resolve_device
     from eldr_cli.errors import EldrError
 
-    if torch.cuda.is_available():
-        assert resolve_device("auto") == "cuda"
-        return
+    # torch's answer is faked both ways, so both paths run on every machine (a GPU machine included)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda") == "cuda" and resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
     with pytest.raises(EldrError, match="no CUDA GPU"):
         resolve_device("cuda")

@@ -87,15 +87,21 @@ def test_a_request_that_outgrows_the_pool_is_preempted_and_recomputes():
     assert pool.req_ntok.tolist() == [8, 8]
 
 
-def _emulate(replay, n: int, prompt: int, max_tokens: int, cap):
+def _emulate(replay, n: int, prompt: int, max_tokens: int, cap, first_alone: bool = False):
+    """(batch sizes, step ms, preemptions) of an emulated decode worker given n requests at once. The worker's
+    task first runs at the first await: plain submits all land before its first step; with ``first_alone`` the
+    first request is submitted, the worker starts its step with it alone, and the others land during that step
+    (the simulator's order: an idle decoder starts a step with its first admission at once)."""
     from eldr_cli.emulator.workers import DecodeRequest, DecodeWorker
 
     async def main():
         w = DecodeWorker(0, replay, "m", "127.0.0.1", 0, kv_capacity_tokens=cap)
         w.start()
         reqs = [DecodeRequest(0, max_tokens, True, prompt) for _ in range(n)]
-        for r in reqs:
+        for i, r in enumerate(reqs):
             w.submit(r)
+            if first_alone and i == 0:
+                await asyncio.sleep(0)  # the worker's task runs up to its first step's sleep, with r0 alone
         for r in reqs:
             while not await r.queue.get():
                 pass
@@ -110,15 +116,18 @@ def test_emulated_decode_worker_applies_the_same_rule():
         return 2 * (1 + 0.1 * (len(rows) + recompute)), 0
 
     replay = SimpleNamespace(cost=CONST, wraps=lambda row, m: False, decode_step_ms=step_ms)
+    # in the simulator's order the emulator's batch sequence is the simulator's, step for step
+    for n, prompt, max_tokens, cap in ((5, 10, 6, 48), (5, 10, 6, 47), (5, 10, 6, None), (2, 14, 8, 32)):
+        cost = PER_TOKEN if cap == 32 else CONST
+        pool, log = run_pool(fake_replay([[[0], [0]]] * n, prompt, cost, L=2, E=8), n, max_tokens, cap=cap)
+        batches, ms, pre = _emulate(replay, n, prompt, max_tokens, cap, first_alone=True)
+        assert batches == log["batch"].tolist() and pre == pool.preemptions, (n, cap)
+        if cap == 32:  # r1's first step back recomputes its 14 + 1 tokens, as in the simulator
+            assert pre == 1 and np.allclose(ms, log["step_ms"])
+    # all submitted before the first step: the pool's 3 slots fill at once, the other 2 follow
     batches, _, pre = _emulate(replay, 5, 10, 6, 48)
-    # the simulator's batches, up to when the worker's first step starts (submits land before or after it)
-    assert max(batches) == 3 and len(batches) in (12, 13) and pre == 0
-    free = _emulate(replay, 5, 10, 6, None)[0]
-    assert max(free) == 5 and len(free) in (6, 7)
-    batches, ms, pre = _emulate(replay, 2, 14, 8, 32)
-    # r1's first step back recomputes 14 + 1 tokens (or 14 + 2 when both were submitted before the first
-    # step, as here the worker task starts after the submits)
-    assert pre == 1 and round(max(ms), 6) in (2 * (1 + 0.1 * 16), 2 * (1 + 0.1 * 17))
+    assert batches == [3] * 6 + [2] * 6 and pre == 0
+    assert _emulate(replay, 5, 10, 6, None)[0] == [5] * 6
 
 
 def _count_by_hand(masks: np.ndarray, L: int, E: int, ep: int) -> int:

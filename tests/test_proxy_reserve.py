@@ -110,7 +110,11 @@ def test_eldr_live_replicas_reserve_too_and_a_burst_is_spread(redis, tmp_path):
     url, reps, decoders, _, servers = _replicas(redis, 1000.0, policy="eldr-live", routing=routing)
     try:
         assert all(app.state.router.name == "eldr-live" for app, _ in reps)
-        _burst_is_spread_and_reserved(reps, decoders, 4)  # the cap, max(2, 25% of the mean), + lag
+        # Redis reserves the first decoder in eldr-live's order whose slots over both replicas are within the
+        # slack (the load cap, max(2, ceil(25% of a mean <= 8)) = 2) of the least: after the reservation at most
+        # 2 + 1 apart, whatever the replicas' lag (issue 31: was 4, which allowed 10/6 of 16). Issue 27 reworks
+        # the reservation; this bound is the cap's arithmetic, so keep it in step with the slack if that changes.
+        _burst_is_spread_and_reserved(reps, decoders, 3)
         r = redis_py.Redis.from_url(url)
         assert _until(lambda: not r.hgetall(f"{reps[0][0].state.shared.ns}:reserved"), 3)
         r.close()

@@ -230,16 +230,20 @@ def test_two_deployments_share_one_redis_through_prefixes(stubs, redis_url):
     x1, sx1 = _replica([p0], [d0, d1], redis_url, state_prefix="blue")
     x2, sx2 = _replica([p0], [d0, d1], redis_url, state_prefix="blue")
     y, sy = _replica([p0], [d0, d1], redis_url, state_prefix="green")
+    y2, sy2 = _replica([p0], [d0, d1], redis_url, state_prefix="green")
     try:
-        assert _until(lambda: x1.state.shared.live_replicas == 2)
+        assert _until(lambda: x1.state.shared.live_replicas == 2 and y.state.shared.live_replicas == 2)
         r = httpx.post(sy.url + "/admin/policy", json={"policy": "round-robin"},
                        headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200
+        # positive control: green's change was published and reached green's other replica ...
+        assert _until(lambda: y2.state.policy_name == "round-robin", 3)
         time.sleep(0.5)
-        assert y.state.shared.live_replicas == 1 and x1.state.policy_name == x2.state.policy_name == "jsq"
+        # ... and not blue's (which counts two replicas, not four)
+        assert x1.state.shared.live_replicas == 2 and x1.state.policy_name == x2.state.policy_name == "jsq"
         assert sum(x1.state.shared.rejected.values()) == 0  # nothing of green's even reached blue
     finally:
-        for s in (sx1, sx2, sy):
+        for s in (sx1, sx2, sy, sy2):
             s.stop()
 
 

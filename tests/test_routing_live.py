@@ -56,8 +56,14 @@ def test_decode_activation_rows_are_per_step_probabilities():
     for m in range(8):
         np.testing.assert_allclose(est.activation_[m], np.clip(p[est.labels_ == m].mean(0), 0, 0.999), rtol=1e-6)
     np.testing.assert_allclose(est.activation_[8], np.clip(p.mean(0), 0, 0.999), rtol=1e-6)
-    assert est.predict(S[0]) == est.labels_[0] or est.prototypes_[est.predict(S[0])] @ S[0] >= \
-        est.prototypes_[est.labels_[0]] @ S[0]
+    # predict is the nearest prototype (the largest cosine), checked by brute force on every calibration row
+    for i in range(len(S)):
+        cos = [float(S[i] @ est.prototypes_[m]) / float(np.linalg.norm(est.prototypes_[m])) for m in range(8)]
+        assert cos[est.predict(S[i])] == pytest.approx(max(cos), abs=1e-12)
+        assert est.predict(3.0 * S[i]) == est.predict(S[i])  # a direction: the scale of the counts does not matter
+    assert [est.predict(p) for p in est.prototypes_] == list(range(8))
+    # the fit's own labels are the nearest prototypes of their rows (k-means converged), all 200 rows kept
+    assert len(est.labels_) == 200 and np.mean([est.predict(S[i]) == est.labels_[i] for i in range(200)]) > 0.95
 
 
 def test_idle_decoder_wins_at_low_load_and_shared_experts_under_load():
@@ -153,6 +159,36 @@ def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     assert pol.is_empty() and (pol.idle_probabilities() == 1).all() and not pol.active.any()
 
 
+def test_the_exact_recount_is_observed():
+    """Float32 updates of log q drift from the exact sum; after RECOUNT_EVERY changes of a decoder the next
+    refresh recounts it from the integer counts (local + remote): log q is then the float64 sum, rounded once."""
+    from eldr_cli.routing.live import RECOUNT_EVERY, LiveChoice
+
+    rng = np.random.default_rng(2)
+    M1 = 5
+    act = rng.uniform(0, 0.9, size=(M1, L, E)).astype(np.float32)
+    pol = make_router("eldr-live", 1, model=_model(rng.random((M1 - 1, L * E)), act, K=1)).policy
+    # log(1 - a) as the policy stores it (float32), summed in float64
+    log_idle = np.log1p(-act.reshape(M1, -1).astype(np.float64)).astype(np.float32).astype(np.float64)
+    pol.apply_remote(0, [2, 0, 1, 0, 0, 0])  # another replica's requests count in the recount too
+    live: list = []
+    for i in range(RECOUNT_EVERY - 2):  # changes without a refresh in between: the float32 sum drifts
+        if len(live) < 12 or (rng.random() < 0.5 and len(live) < 40):
+            pol.on_dispatch(0, i, LiveChoice(np.zeros(1), int(rng.integers(M1)), 1))
+            live.append(i)
+        else:
+            pol.on_finish(0, live.pop(int(rng.integers(len(live)))))
+    assert pol._changes[0] == RECOUNT_EVERY - 1  # the remote vector's change counts as one
+    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    pol.idle_probabilities()
+    assert np.abs(pol.log_q[0] - exact).max() > 0  # drifted: the check below is not vacuous
+    pol.on_dispatch(0, "last", LiveChoice(np.zeros(1), 3, 1))  # the RECOUNT_EVERY-th change
+    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    pol.idle_probabilities()
+    np.testing.assert_array_equal(pol.log_q[0], exact)  # recounted: exact, bit for bit
+    assert pol._changes[0] == 0
+
+
 def test_artifact_without_the_live_model_is_refused_by_name():
     m = RoutingModel("count", np.ones((L, E)), np.arange(L), np.eye(4, L * E))
     with pytest.raises(EldrError, match="eldr fit"):
@@ -173,10 +209,38 @@ def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
     write_cost_model(tmp_path / "cost", CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05, source="given"))
     built = []
     real = simc.make_router
+    # a spy on the lifecycle while the run goes on: at every decision the live set on each decoder holds exactly
+    # the decode engine's in-flight requests (the loads the router is given), so dispatches and finishes happen
+    # when they should, not only in the final drain
+    seen = {"decide": 0, "dispatch": [], "finish": [], "mismatch": [], "busy": 0}
+
+    class Spy:  # the simulator's router, every call counted (DecodeRouter has __slots__: wrap, don't patch)
+        def __init__(self, r):
+            self.r = r
+
+        def __getattr__(self, name):
+            return getattr(self.r, name)
+
+        def decide(self, counts, loads, **k):
+            live = self.r.policy.counts.sum(axis=1).tolist()
+            if live != list(loads):
+                seen["mismatch"].append((live, list(loads)))
+            seen["decide"] += 1
+            seen["busy"] = max(seen["busy"], sum(live))
+            return self.r.decide(counts, loads, **k)
+
+        def on_dispatch(self, d, key):
+            seen["dispatch"].append(key)
+            return self.r.on_dispatch(d, key)
+
+        def on_finish(self, w, key):
+            assert key in seen["dispatch"] and key not in seen["finish"]  # once, after its dispatch
+            seen["finish"].append(key)
+            return self.r.on_finish(w, key)
 
     def keep(*a, **kw):
         built.append(real(*a, **kw))
-        return built[-1]
+        return Spy(built[-1])
 
     monkeypatch.setattr(simc, "make_router", keep)
     run_simulate(tmp_path / "sim", trace=tmp_path / "trace", cost_model=tmp_path / "cost",
@@ -184,6 +248,11 @@ def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
                      n_decode=3, duration_s=4, warmup_s=1, max_tokens=8, workers=1)
     (router,) = built
     assert router.stateful and router.policy.is_empty()
+    n = seen["decide"]
+    assert n > 100 and len(seen["dispatch"]) == n and len(set(seen["dispatch"])) == n
+    assert sorted(seen["finish"]) == sorted(seen["dispatch"])  # every request finished exactly once
+    assert not seen["mismatch"], seen["mismatch"][:3]
+    assert seen["busy"] > 0  # requests were in flight when others arrived (the check above was not vacuous)
 
 
 # -- the proxy -------------------------------------------------------------------------------------------
