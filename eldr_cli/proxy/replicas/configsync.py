@@ -110,6 +110,21 @@ class ConfigSync:
             return "adopt", config
         return "keep", None
 
+    async def sync(self, redis: Any, host: Any, raw: Any) -> None:
+        """One heartbeat's look at the stored snapshot ``raw`` (GETRANGE's answer, or its error): adopted
+        when newer, rewritten when older or missing; a key of the wrong type or size is one bad key
+        (counted, deleted, rewritten once this replica has a version)."""
+        if not isinstance(raw, bytes) or len(raw) > MAX_CONFIG_BYTES:
+            self.env.reject("oversized" if isinstance(raw, bytes) else "wrong_type")
+            await redis.delete(self.key)
+            raw = None
+        what, config = self.on_snapshot(raw or None, host.current_config)
+        if what == "adopt" and config is not None:
+            host.adopt_config(config)
+        elif what == "write":
+            await redis.set(self.key, self.seal_snapshot(host.current_config()), px=CONFIG_TTL_MS)
+        self.synced = True
+
     def _open_snapshot(self, raw: bytes) -> tuple[Version, dict[str, Any]] | None:
         msg = self.env.open(raw, ("config",), timeless=True, own=True)
         if msg is None:

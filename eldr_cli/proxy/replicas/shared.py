@@ -287,30 +287,13 @@ class RedisState(ChannelsMixin, LocalState):
         self._others = {o: st for o, st in self._others.items() if o in live}
         self._peer_cv = {o: v for o, v in self._peer_cv.items() if o in live}
         self.configs.peer_max = max(self._peer_cv.values(), default=ZERO)
-        await self._sync_config(res[3])
+        await self.configs.sync(self._redis, self._host, res[3])
         self._apply_remote()
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
         if self.in_outage:
             self.in_outage, self.outage_kind = False, None
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
-
-    async def _sync_config(self, raw: Any) -> None:
-        """The stored configuration snapshot: adopted when newer, rewritten when older or missing."""
-        assert self._host is not None and self.env is not None
-        if not isinstance(raw, bytes):
-            self.env.reject("wrong_type")  # not a string: one bad key, replaced below
-            raw = None
-        elif len(raw) > MAX_CONFIG_BYTES:
-            self.env.reject("oversized")
-            raw = None
-        what, config = self.configs.on_snapshot(raw or None, self._host.current_config)
-        if what == "adopt" and config is not None:
-            self._host.adopt_config(config)
-        elif what == "write":
-            await self._redis.set(self.configs.key, self.configs.seal_snapshot(self._host.current_config()),
-                                  px=CONFIG_TTL_MS)
-        self.configs.synced = True
 
     def _apply_remote(self) -> None:
         remote, vectors = sum_counts([(c, v) for _, c, v in self._others.values()])
