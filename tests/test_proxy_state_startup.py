@@ -226,3 +226,18 @@ def test_the_serving_path_imports_nothing_from_testing():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_config_file_with_a_secret_is_read_when_only_its_owner_can(tmp_path):
+    from eldr_cli.errors import EldrError
+    from eldr_cli.proxy.config import build_config
+
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text(f"admin_token: {KEY}\nprefill: [http://127.0.0.1:9]\ndecode: [http://127.0.0.1:9]\npolicy: jsq\n")
+    cfg.chmod(0o600)
+    assert build_config(cfg).admin_token == KEY
+    cfg.chmod(0o640)
+    with pytest.raises(EldrError, match="chmod 600"):
+        build_config(cfg)
+    cfg.write_text("prefill: [http://127.0.0.1:9]\ndecode: [http://127.0.0.1:9]\npolicy: jsq\n")  # no secret
+    assert build_config(cfg).admin_token in (None, os.environ.get("ELDR_ADMIN_TOKEN"))
