@@ -163,6 +163,13 @@ bench-routing: venv  ## one decode decision per router (K=16, L=48, E=128, 64 in
 bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2, 2 replicas over Redis), quality, failover
 	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
 	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
+	$(BIN)/python benchmarks/bench_shadow.py --out bench-results/shadow.json
+	$(BIN)/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
+
+.PHONY: bench-shadow
+bench-shadow: venv  ## shadow mode's cost per decision (K=16, one and two shadows) and decision-log writing at 1,000 req/s
+	$(BIN)/python benchmarks/bench_shadow.py --out bench-results/shadow.json
+	$(BIN)/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
 
 .PHONY: bench-state
 bench-state: venv deps-system  ## signed shared state: signing CPU, 2-replica CPU before/after, the herd (--workers 4)

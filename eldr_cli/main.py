@@ -24,7 +24,8 @@ app = typer.Typer(
 )
 
 # one module per subcommand (or group); each defines register(app)
-COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture", "report"]
+COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "place", "bench", "emulate", "capture", "report",
+                   "dashboard"]
 
 INTERRUPTED = 130
 

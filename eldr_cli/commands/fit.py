@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -81,8 +82,13 @@ def cluster_cmd(
 
 
 def fit_cmd(
-    trace: Path = TRACE,
-    decoders: int = DECODERS,
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Trace artifact (from `eldr capture`)."),
+    decoders: Optional[int] = typer.Option(None, "--decoders", "-k", help="K = number of decode workers."),
+    from_decision_log: Optional[Path] = typer.Option(
+        None, "--from-decision-log", help="Instead of --trace: refit the clusters of --routing on the signatures "
+                                          "the proxy logged (--decision-log-replay); writes a routing artifact."),
+    routing: Optional[Path] = typer.Option(None, "--routing", help="With --from-decision-log: the serving routing "
+                                           "artifact whose signature space and eldr-live model are kept."),
     out: Path = typer.Option(Path("artifacts/fit"), "--out"),
     pairs: int = PAIRS,
     transform: str = typer.Option("auto", "--transform"),
@@ -96,14 +102,30 @@ def fit_cmd(
     """fit-idf -> select-layers -> cluster in one go; OUT/routing is what `serve-proxy` loads."""
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.console import console
+    from eldr_cli.errors import EldrError
     from eldr_cli.pipeline.fit import run_fit
 
+    if from_decision_log is not None:
+        return _refit(from_decision_log, routing, out, decoders, tau, seed, force)
+    if trace is None or decoders is None:
+        flag = "--trace" if trace is None else "--decoders"
+        raise EldrError(f"Missing option '{flag}' (or refit from a decision log: --from-decision-log LOG "
+                        "--routing DIR)")
     with replacing(out, force):
         run_fit(trace, out, decoders=decoders, pairs=pairs, transform=transform, seed=seed, tau=tau,
                 vanilla=vanilla, split=split, figures=figures)
     _print_layers(out / "layers")
     _print_routing(out / "routing")
     console.print(f"fit took {Artifact(out).metrics['fit_s']:.2f} s -> [bold]{out / 'routing'}[/]")
+    skip_teardown()
+
+
+def _refit(log: Path, routing, out: Path, decoders, tau, seed: int, force: bool) -> None:
+    from eldr_cli.pipeline.refit import run_fit_from_log
+
+    with replacing(out, force):
+        run_fit_from_log(log, out, routing=routing, decoders=decoders, tau=tau, seed=seed)
+    _print_routing(out)
     skip_teardown()
 
 

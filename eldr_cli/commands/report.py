@@ -12,8 +12,10 @@ from eldr_cli.commands._common import split_option
 
 
 def report_cmd(
-    trace: Path = typer.Option(..., "--trace", help="Trace artifact (captured, imported or generated) with "
-                                                    "per-step decode picks."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Trace artifact (captured, imported or generated) "
+                                                             "with per-step decode picks."),
+    decision_log: Optional[Path] = typer.Option(None, "--decision-log", help="Instead of --trace: the proxy's "
+                                                "decision log (--decision-log-replay rows); needs --fit."),
     out: Path = typer.Option(..., "--out", help="Report directory (report.html, report.md, report.json)."),
     fit: Optional[Path] = typer.Option(None, "--fit", help="Fit (or routing) artifact; fitted on the trace if absent."),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="Cost-model artifact; default: the "
@@ -42,7 +44,7 @@ def report_cmd(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from eldr_cli.console import console
-    from eldr_cli.pipeline.report import STAGES, run_report
+    from eldr_cli.pipeline.report import STAGES
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   disable=not progress, transient=True) as bar:
@@ -56,9 +58,10 @@ def report_cmd(
             bar.update(task, description=f"report: {name}")
 
         names = [r.strip() for r in routers.split(",") if r.strip()] if routers else None
-        v = run_report(trace, out, fit=fit, cost_model=cost_model, prefill=prefill, decode=decode, routers=names,
-                       seeds=seeds, slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration or 0.0,
-                       max_tokens=max_tokens, split=split, seed=seed, progress=step)
+        kw = dict(cost_model=cost_model, prefill=prefill, decode=decode, routers=names, seeds=seeds,
+                  slo_tpot_ms=slo_tpot_ms, slo_ttft_ms=slo_ttft_ms, duration_s=duration or 0.0, max_tokens=max_tokens,
+                  seed=seed, progress=step)
+        v = _run(trace, decision_log, out, fit, split, kw)
         bar.advance(task)
     from eldr_cli.console import table
     from eldr_cli.pipeline.report_render import capacity_table
@@ -69,7 +72,30 @@ def report_cmd(
         t.add_row(*r)
     console.print(t)
     console.print(v["text"])
+    if "decision_log" in v:
+        sec = v["decision_log"]
+        console.print(f"decision log: {sec['rows_used']} requests replayed, logged load {sec['logged_rate_rps']:.3g} "
+                      f"req/s = {sec['logged_load_pct_of_best_lb']}% of the best load balancer's capacity; "
+                      "decode picks GENERATED")
+        lt = sec.get("logged_tpot") or {}
+        console.print("logged TPOT vs the cost model: " + (f"mean |error| {lt['mean_abs_error_pct']:.0f}% over "
+                      f"{len(lt['per_decoder'])} decoders" if "per_decoder" in lt else lt.get("note", "n/a")))
+        if sec["drift"].get("drifted"):
+            console.print("[red]drift:[/] " + "; ".join(sec["drift"]["reasons"]))
     console.print(f"report -> {out / 'report.html'}  (also report.md, report.json)")
+
+
+def _run(trace, decision_log, out, fit, split, kw) -> dict:
+    from eldr_cli.errors import EldrError
+    from eldr_cli.pipeline.report import run_report
+
+    if (trace is None) == (decision_log is None):
+        raise EldrError("give one of --trace (a trace artifact) or --decision-log (the proxy's decision log)")
+    if decision_log is not None:
+        from eldr_cli.pipeline.decision_replay import run_report_from_log
+
+        return run_report_from_log(decision_log, out, fit=fit, **kw)
+    return run_report(trace, out, fit=fit, split=split, **kw)
 
 
 def register(app: typer.Typer) -> None:

@@ -18,6 +18,7 @@ def serve_proxy_cmd(
     cost_model: Optional[Path] = typer.Option(None, "--cost-model",
                                               help="Cost-model artifact eldr-live predicts step times with "
                                                    "(default: a relative shape of the paper's Fig. 2)."),
+    shadow: List[str] = typer.Option([], "--shadow", help="A policy deciding beside --policy, logged only."),
     tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the artifact's tau)."),
     host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="Port (default 8000)."),
@@ -29,6 +30,7 @@ def serve_proxy_cmd(
                                                         "(or $ELDR_ADMIN_TOKEN; unset: admin disabled)."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML or TOML file with the same keys."),
     decision_log: Optional[str] = typer.Option(None, "--decision-log", help="FILE.jsonl or FILE.parquet."),
+    decision_log_replay: Optional[bool] = typer.Option(None, "--decision-log-replay/--no-decision-log-replay"),
     scrape_metrics: Optional[bool] = typer.Option(None, "--scrape-metrics/--no-scrape-metrics",
                                                   help="Combine in-flight with workers' vllm:num_requests_running."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes",
@@ -60,12 +62,12 @@ def serve_proxy_cmd(
 
     refuse_command_line_secrets(admin_token, state)
     cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
-                       cost_model=str(cost_model) if cost_model else None,
-                       policy=policy, tau=tau, host=host, port=port, admin_token_file=admin_token_file,
-                       decision_log=decision_log, scrape_metrics=scrape_metrics, max_body_bytes=max_body_bytes,
-                       log_level=log_level, state=state, workers=workers, state_key_file=state_key_file,
-                       state_password_file=state_password_file, state_ca_file=state_ca_file,
-                       state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
+                       cost_model=str(cost_model) if cost_model else None, policy=policy, shadow=shadow, tau=tau,
+                       host=host, port=port, admin_token_file=admin_token_file, decision_log=decision_log,
+                       decision_log_replay=decision_log_replay, scrape_metrics=scrape_metrics,
+                       max_body_bytes=max_body_bytes, log_level=log_level, state=state, workers=workers,
+                       state_key_file=state_key_file, state_password_file=state_password_file,
+                       state_ca_file=state_ca_file, state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
     from eldr_cli.proxy.server import bind_socket, serve_workers
 

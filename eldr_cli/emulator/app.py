@@ -80,7 +80,9 @@ class WorkerApp:
                  f"eldr_emulator_requests_total {w.requests_total}",
                  f"eldr_emulator_unmatched_prompts_total {w.unmatched}"]
         if isinstance(w, DecodeWorker):
-            lines.append(f"eldr_emulator_wrapped_requests_total {w.wrapped}")
+            lines += [f"eldr_emulator_wrapped_requests_total {w.wrapped}",
+                      f'vllm:time_per_output_token_seconds_sum{{model_name="{w.model_name}"}} {w.tpot_s_sum:.6f}',
+                      f'vllm:time_per_output_token_seconds_count{{model_name="{w.model_name}"}} {w.tpot_count}']
             if w.kv_blocks:
                 lines += [f'vllm:kv_cache_usage_perc{{model_name="{w.model_name}"}} '
                           f"{min(w.kv_used / w.kv_blocks, 1.0):.4f}",

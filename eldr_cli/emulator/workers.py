@@ -136,6 +136,8 @@ class DecodeWorker(Worker):
         self.steps: list[tuple] = []
         self.t0 = time.perf_counter()
         self.wrapped = 0  # requests decoding past their row's captured steps (which then replay again)
+        self.tpot_s_sum = 0.0  # vLLM's vllm:time_per_output_token_seconds: one observation per token and step
+        self.tpot_count = 0
 
     def load(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -204,6 +206,8 @@ class DecodeWorker(Worker):
             await sleep_until(deadline)
             end = time.perf_counter()
             self.steps.append((start - self.t0, len(run), active, ms, (end - deadline) * 1e3))
+            self.tpot_s_sum += (end - start) * len(run)
+            self.tpot_count += len(run)
             keep = []
             for r in run:
                 r.ntok += 1

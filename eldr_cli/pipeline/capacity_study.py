@@ -47,6 +47,7 @@ class SimSetup:
     warmup_s: float
     runs: int = 0
     sim_s: float = 0.0
+    burstiness: float = 1.0  # gamma shape of the arrival gaps (1: Poisson; a decision log's is fitted to it)
 
     def window(self, rate: float) -> tuple[float, float]:
         """(warm-up, measured) seconds at ``rate``: the warm-up holds MIN_WARMUP_REQUESTS to MAX_WARMUP_REQUESTS
@@ -110,7 +111,7 @@ def run_study(setup: SimSetup, routers: list[str], seeds: list[int], slo: SLO, s
     from eldr_cli.bench.workload import ScaledArrivals
 
     say = progress or (lambda s: None)
-    arrivals = {s: ScaledArrivals(len(setup.items), seed=s) for s in seeds}
+    arrivals = {s: ScaledArrivals(len(setup.items), seed=s, burstiness=setup.burstiness) for s in seeds}
     capacity: dict[str, list[Capacity]] = {r: [] for r in routers}
     for s in seeds:
         for r in routers:

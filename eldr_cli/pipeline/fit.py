@@ -99,6 +99,7 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                 figures: bool = True) -> Path:
     from eldr_cli.method.cluster import BalancedKMeans
     from eldr_cli.method.signature import signatures
+    from eldr_cli.routing.drift import calibration_stats
 
     checks.check_tau(tau)
     trace = trace or read_trace(trace_path, with_picks=False)
@@ -126,12 +127,13 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     domains = trace.column("domain")[rows]
     names, counts = np.unique(domains, return_counts=True)
     share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
+    drift = calibration_stats(S, km.centroids_, None if live is None else live.prototypes_, tau)
     with ArtifactWriter(out, kind="routing",
                         params={"transform": transform, "n_clusters": decoders, "tau": tau,
                                 "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
                                 "num_layers": trace.num_layers, "num_experts": trace.num_experts,
                                 "top_k": trace.top_k, "model": trace.model.get("model"),
-                                "domain_share": share,
+                                "domain_share": share, "drift": drift,
                                 "live_prototypes": None if live is None else int(live.prototypes_.shape[0])},
                         inputs={"trace": trace_path, "layers": layers_path}) as w:
         w.write_array("weights", weights)

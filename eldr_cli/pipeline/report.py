@@ -130,7 +130,8 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
     # the measured window at least three (and at least 300 requests, see SimSetup.window)
     lifetime = max_tokens * slo.tpot_p90_ms / 1e3
     setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens,
-                     max(duration_s, 3.0 * lifetime), 2.0 * lifetime)
+                     max(duration_s, 3.0 * lifetime), 2.0 * lifetime,
+                     burstiness=float(tr.manifest.get("params", {}).get("arrival_burstiness", 1.0)))
     return setup, slo, bound, prefill_ms
 
 

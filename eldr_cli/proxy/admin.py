@@ -134,7 +134,7 @@ class AdminMixin(AppParts):
         if not token:
             m.child(m.admin_actions, action, "disabled").inc()
             return await send_json(send, 403, error_body("admin endpoints are disabled; start the proxy with "
-                                                    "--admin-token or ELDR_ADMIN_TOKEN", "permission_error", 403))
+                                                    "ELDR_ADMIN_TOKEN or --admin-token-file", "permission_error", 403))
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if not hmac.compare_digest(auth, b"Bearer " + token.encode()):
             m.child(m.admin_actions, action, "unauthorized").inc()

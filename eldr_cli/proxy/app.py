@@ -50,6 +50,13 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         self.state = ProxyState(cfg)
         self.metrics = ProxyMetrics(self.state)
         self.decision_log = None
+        self.drift = None
+        self.shadow = None
+        if cfg.shadow:  # a shadow the routing artifact cannot build is refused here, once; the proxy serves
+            from eldr_cli.proxy.shadow import ShadowSet, register_shadow_metrics
+
+            self.shadow = ShadowSet(self.state, cfg.shadow)
+            register_shadow_metrics(self.metrics.registry, self.shadow)
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -63,7 +70,15 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.cfg.decision_log:
             from eldr_cli.proxy.decisionlog import DecisionLog
 
-            self.decision_log = DecisionLog(self.cfg.decision_log)
+            self.decision_log = DecisionLog(self.cfg.decision_log, replay=self.cfg.decision_log_replay)
+            self.metrics.watch_decision_log(self.decision_log)
+        if self.drift is not None:
+            self.drift.start()
+        elif self.state.model is not None:
+            from eldr_cli.proxy.drift import DriftCollector, DriftWatch
+
+            self.drift = DriftWatch(self.state)
+            self.metrics.registry.register(DriftCollector(self.drift))
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         await self.state.shared.start(self)
@@ -91,6 +106,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.decision_log is not None:
             self.decision_log.close()
             self.decision_log = None
+        if self.drift is not None:
+            self.drift.close()
     # -- shared state (several replicas) -------------------------------------------------------
     def all_workers(self) -> list[Worker]:
         return [*self.state.prefill, *self.state.decode]

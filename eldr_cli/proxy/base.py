@@ -16,7 +16,9 @@ from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
+    from eldr_cli.proxy.drift import DriftWatch
     from eldr_cli.proxy.metrics import ProxyMetrics
+    from eldr_cli.proxy.shadow import ShadowSet
 
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:
@@ -104,6 +106,8 @@ class AppParts:
     state: ProxyState
     metrics: ProxyMetrics
     decision_log: DecisionLog | None
+    drift: DriftWatch | None
+    shadow: ShadowSet | None
 
     def _open(self, w: Worker) -> None:
         raise NotImplementedError

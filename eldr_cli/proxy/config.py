@@ -53,6 +53,8 @@ class ProxyConfig:
     scrape_metrics: bool = False
     # decision log (.jsonl appends; .parquet writes numbered part files) for offline replay
     decision_log: str | None = None
+    shadow: list[str] = field(default_factory=list)  # policies that decide beside the live one, logged only
+    decision_log_replay: bool = False   # add what a replay / refit needs (arrival, tokens, signature, artifact)
     log_level: str = "info"
     access_log: bool = False
     # several replicas: "local" (this process alone) or redis[s]://[USER@]HOST:PORT[/DB] (shared counts
@@ -88,8 +90,14 @@ class ProxyConfig:
             raise EldrError("max_body_bytes must be at least 1024")
         if self.health_fail_threshold < 1 or self.health_success_threshold < 1:
             raise EldrError("health thresholds must be >= 1")
+        for name in self.shadow:
+            if name not in POLICIES:
+                raise EldrError(f"unknown shadow policy {name!r}; expected one of {', '.join(POLICIES)}")
         if self.decision_log:
             check_decision_log_path(str(self.decision_log))
+        elif self.decision_log_replay:
+            raise EldrError("--decision-log-replay adds fields to the decision log, but no --decision-log is given",
+                            hint="pass --decision-log FILE.jsonl (or .parquet) as well")
         self._resolve_admin_token()
         self.prefill = [u.rstrip("/") for u in self.prefill]
         self.decode = [u.rstrip("/") for u in self.decode]
@@ -210,7 +218,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         key = str(k).replace("-", "_")
         if key not in known:
             raise EldrError(f"unknown key {k!r} in config file {p}", hint=f"known keys: {', '.join(sorted(known))}")
-        if key in ("prefill", "decode") and isinstance(v, str):
+        if key in ("prefill", "decode", "shadow") and isinstance(v, str):
             v = [v]
         out[key] = v
     return out

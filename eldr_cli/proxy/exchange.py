@@ -15,7 +15,7 @@ import orjson
 
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.decisionlog import decision_row
+from eldr_cli.proxy.decisionlog import decision_row, observe_handoff
 from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
@@ -110,6 +110,8 @@ class ExchangeMixin(AppParts):
             outcome = await self._generate_inner(ctx, clen, receive, send)
         finally:
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + 1
+            if self.shadow is not None:
+                self.shadow.finish_later(rid)
             self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
             st.in_progress -= 1  # last: tests in other threads wait for 0, then read the outcome
             if log.isEnabledFor(logging.INFO):
@@ -225,10 +227,11 @@ class ExchangeMixin(AppParts):
         ktp = answer.get("kv_transfer_params")
         if not isinstance(ktp, dict):
             ktp = None
+        replay = observe_handoff(self, ctx.t0, answer, body, ktp)  # drift watch; the decision log's replay fields
         counts, sig_state = self._handoff_counts(ktp)
         router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
         tokens = _context_tokens(answer, body)
-        choice = self._decide(ctx, router, counts, sig_state, tokens)
+        choice = self._decide(ctx, router, counts, sig_state, tokens, replay)
         choice, ctx.reserved = await reserve_decode(st, choice)  # replicas: one atomic slot in Redis
 
         # 3. decode leg (streamed back as it comes); a connect failure retries once elsewhere
@@ -265,7 +268,7 @@ class ExchangeMixin(AppParts):
         if enc is None:
             self.metrics.child(self.metrics.signature_missing, "missing").inc()
             return None, "missing"
-        if not self.state.router.needs_signature:
+        if not self.state.router.needs_signature and self.shadow is None:
             return None, "unused"
         try:
             return decode_counts(enc), "ok"
@@ -274,12 +277,12 @@ class ExchangeMixin(AppParts):
             return None, "malformed"
 
     def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
-                tokens: int | None) -> Decision:
+                tokens: int | None, replay: dict[str, Any] | None = None) -> Decision:
         st, m = self.state, self.metrics
         t0 = time.perf_counter()
         loads = st.decode.loads(self.cfg.scrape_metrics)
-        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
-                          tokens=tokens)
+        healthy = [w.healthy for w in st.decode.workers]
+        d = router.decide(counts, loads, domain=ctx.domain, healthy=healthy, tokens=tokens)
         dt = time.perf_counter() - t0
         if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
             sig_state = "malformed"
@@ -291,9 +294,12 @@ class ExchangeMixin(AppParts):
             m.band_size.observe(len(d.band))
         wid = st.decode.workers[d.worker].id
         m.child(m.decisions, pname, wid).inc()
-        if self.decision_log is not None:
-            self.decision_log.write(decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid,
-                                                 ctx.domain, dt))
+        row = None if self.decision_log is None else \
+            decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt) | (replay or {})
+        if self.shadow is not None:  # the shadows decide right after this request is dispatched, then log the row
+            self.shadow.later(ctx.rid, counts, d, ctx.domain, healthy, tokens, row, self.decision_log)
+        elif row is not None and self.decision_log is not None:
+            self.decision_log.write(row)
         return d
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:

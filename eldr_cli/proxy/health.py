@@ -7,6 +7,7 @@ import logging
 
 from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.http import JSON_HEADER, Send, error_body, http_get, send_bytes, send_json
+from eldr_cli.proxy.tpot import update_tpot
 from eldr_cli.proxy.upstream import UpstreamHTTPError
 from eldr_cli.proxy.workers import Worker
 
@@ -27,7 +28,9 @@ class HealthMixin(AppParts):
                 "replicas": st.shared.live_replicas, "state_outage": st.shared.outage_kind,
                 "state_rejected": st.shared.rejected,
                 "state_wrong_key": st.shared.wrong_key(),
-                "workers": [w.as_dict() for w in [*st.prefill, *st.decode]]}
+                "workers": [w.as_dict() for w in [*st.prefill, *st.decode]],
+                "drift": None if self.drift is None else self.drift.snapshot(),
+                "shadow": None if self.shadow is None else self.shadow.describe()}
         await send_json(send, 200 if ok else 503, body)
 
     async def _models(self, send: Send) -> None:
@@ -67,7 +70,9 @@ class HealthMixin(AppParts):
             ok = status == 200
             if ok and cfg.scrape_metrics and w.role == "decode":
                 status, data = await http_get(w, "/metrics", cfg.health_timeout_s)
-                w.scraped_running = parse_running(data.decode("utf-8", "replace")) if status == 200 else None
+                text = data.decode("utf-8", "replace") if status == 200 else ""
+                w.scraped_running = parse_running(text) if status == 200 else None
+                update_tpot(w, text)
         except (UpstreamHTTPError, TimeoutError, ValueError):
             pass  # a failed scrape after a good /health still counts the worker as up
         if ok:

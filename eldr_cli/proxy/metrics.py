@@ -117,6 +117,12 @@ class ProxyMetrics:
 
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
+    def watch_decision_log(self, dlog: Any) -> None:
+        """Export the decision log's written and dropped rows (read at scrape time)."""
+        from eldr_cli.proxy.decisionlog import DecisionLogCollector
+
+        self.registry.register(DecisionLogCollector(dlog))
+
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)`` cached (labels() costs a lock and a dict build per call)."""
         key = (id(metric), labels)

@@ -28,6 +28,8 @@ class Worker:
     remote_inflight: int = 0       # other replicas' last published in-flight (shared state; 0 when local)
     remote_vectors: dict[str, list[int]] = field(default_factory=dict)  # name -> other replicas' sum
     scraped_running: int | None = None  # vllm:num_requests_running from the worker's /metrics
+    scraped_tpot_ms: float | None = None  # mean vllm:time_per_output_token_seconds between the last two scrapes
+    tpot_totals: tuple[float, float] | None = None  # (sum s, count) at the last scrape
     fail_streak: int = 0
     ok_streak: int = 0
     removed: bool = False

@@ -1,0 +1,106 @@
+"""Drift: how well the signatures of the traffic served fit the routing artifact.
+
+At fit time :func:`calibration_stats` measures, over the calibration signatures, each one's cosine to its
+nearest centroid and to its nearest eldr-live prototype, and the share of requests whose locality band
+covers every decoder (there the band routes like JSQ). The routing artifact stores them (``params.drift``).
+While serving, :class:`DriftMonitor` keeps the same quantities over the last ``window`` requests; the
+traffic has *drifted* when a full window's mean similarity falls more than ``DRIFT_SIGMAS`` calibration
+standard deviations below the calibration mean (to the centroids or to the prototypes): the average request
+then fits the clusters worse than a one-in-six poorly fitting calibration request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+DRIFT_SIGMAS = 1.0
+WINDOW = 256
+
+
+def _stats(sims: np.ndarray) -> dict[str, float]:
+    m, sd = float(sims.mean()), float(sims.std())
+    q05, q50, q95 = (float(x) for x in np.quantile(sims, [0.05, 0.5, 0.95]))
+    return {"mean": m, "std": sd, "q05": q05, "q50": q50, "q95": q95, "threshold": m - DRIFT_SIGMAS * sd,
+            "n": int(sims.size)}
+
+
+def calibration_stats(S: np.ndarray, centroids: np.ndarray, prototypes: np.ndarray | None, tau: float) -> dict:
+    """``S`` float [R, d] unit calibration signatures, ``centroids`` [K, d], ``prototypes`` [M, d] or None ->
+    the artifact's ``drift`` block (JSON-able)."""
+    cs = S @ centroids.T
+    near = cs.max(axis=1)
+    return {"centroid": _stats(near),
+            "prototype": None if prototypes is None else _stats((S @ prototypes.T).max(axis=1)),
+            "band_all_share": float((cs.min(axis=1) >= near - tau).mean()), "sigmas": DRIFT_SIGMAS,
+            "window": WINDOW}
+
+
+class DriftMonitor:
+    """Rolling drift figures over the last ``window`` signatures of one routing artifact.
+
+    ``centroids`` [K, d], ``prototypes`` [M, d] or None, ``stats``: the artifact's ``drift`` block (None for an
+    artifact fitted before it: figures without a verdict)."""
+
+    def __init__(self, centroids: np.ndarray, prototypes: np.ndarray | None, tau: float, stats: dict | None,
+                 window: int | None = None):
+        self.centroids = np.ascontiguousarray(centroids, dtype=np.float64)
+        self.prototypes = None if prototypes is None else np.ascontiguousarray(prototypes, dtype=np.float64)
+        self.tau = float(tau)
+        self.stats = stats
+        self.window = int(window or (stats or {}).get("window") or WINDOW)
+        self._near: deque[float] = deque(maxlen=self.window)
+        self._proto: deque[float] = deque(maxlen=self.window)
+        self._all: deque[bool] = deque(maxlen=self.window)
+        self.seen = 0
+
+    @classmethod
+    def for_model(cls, model: Any, stats: dict | None, window: int | None = None) -> "DriftMonitor":
+        """For a :class:`eldr_cli.routing.RoutingModel` and its artifact's ``drift`` block."""
+        protos = model.live[0] if model.live is not None else None
+        return cls(model.centroids, protos, model.tau, stats, window)
+
+    def observe(self, signature: np.ndarray) -> None:
+        """One request's unit signature [d] (all zeros: no expert in the kept layers, not counted)."""
+        s = np.asarray(signature, dtype=np.float64)
+        if not s.any():
+            return
+        cs = self.centroids @ s
+        top = float(cs.max())
+        self._near.append(top)
+        self._all.append(bool(cs.min() >= top - self.tau))
+        if self.prototypes is not None:
+            self._proto.append(float((self.prototypes @ s).max()))
+        self.seen += 1
+
+    def observe_many(self, S: np.ndarray) -> None:
+        for s in np.asarray(S):
+            self.observe(s)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Rolling means, the calibration's, thresholds and the verdict: ``drifted`` is None until a full
+        window was seen (or without calibration figures), else whether a mean fell below its threshold."""
+        n = len(self._near)
+        out: dict[str, Any] = {"window": self.window, "requests": n, "seen": self.seen,
+                               "centroid_similarity": float(np.mean(self._near)) if n else None,
+                               "prototype_similarity": float(np.mean(self._proto)) if self._proto else None,
+                               "band_all_share": float(np.mean(self._all)) if n else None,
+                               "drifted": None, "reasons": []}
+        st = self.stats
+        if st is None:
+            out["reasons"] = ["the routing artifact has no calibration drift figures (refit it)"]
+            return out
+        out["calibration"] = {k: (None if st.get(k) is None else {x: st[k][x] for x in ("mean", "std", "threshold")})
+                              for k in ("centroid", "prototype")} | {"band_all_share": st.get("band_all_share")}
+        if n < self.window:
+            return out
+        reasons = []
+        for key, val in (("centroid", out["centroid_similarity"]), ("prototype", out["prototype_similarity"])):
+            ref = st.get(key)
+            if ref is not None and val is not None and val < ref["threshold"]:
+                reasons.append(f"mean similarity to the nearest {key} {val:.3f} is below {ref['threshold']:.3f} "
+                               f"(calibration {ref['mean']:.3f} - {st.get('sigmas', DRIFT_SIGMAS):g} sd)")
+        out["drifted"], out["reasons"] = bool(reasons), reasons
+        return out

@@ -1,0 +1,91 @@
+"""Drift of the served signatures against the routing artifact: the calibration figures stored at fit time, the
+verdict on held-back and on foreign traffic (GENERATED traces, 5 seeds), and the proxy's gauges and /health
+with a real proxy in front of stub PD workers that hand off the traces' counts."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+from _proxy_util import Cluster
+
+from eldr_cli.artifacts.trace import write_trace
+from eldr_cli.pipeline.fit import run_fit
+from eldr_cli.routing import RoutingModel
+from eldr_cli.routing.drift import WINDOW, DriftMonitor
+from eldr_cli.routing.model import load_routing_artifact
+from eldr_cli.synth import synthetic_trace
+
+SHAPE = dict(num_layers=4, num_experts=16, top_k=4, decode_steps=8)
+
+
+def _fit(tmp, seed: int, n: int = 1600):
+    """A GENERATED trace of 4 domains, fitted on its calibration rows (80%), and its held-back rows' counts."""
+    tr = synthetic_trace(n_requests=n, seed=seed, **SHAPE)
+    write_trace(tmp / f"t{seed}", tr)
+    fit = run_fit(tmp / f"t{seed}", tmp / f"f{seed}", decoders=4, pairs=2000, figures=False, seed=seed)
+    held = tr.prefill_counts[np.asarray(tr.column("split") == "evaluation")]
+    return fit, held
+
+
+def _foreign(seed: int, n: int = WINDOW + 20) -> np.ndarray:
+    """Counts of other domains (another generated model of the experts' preferences): the drifted traffic."""
+    return synthetic_trace(n_requests=n, seed=1000 + seed, **SHAPE).prefill_counts
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_held_back_traffic_is_not_flagged_and_foreign_traffic_is(tmp_path, seed):
+    fit, held = _fit(tmp_path, seed)
+    stats = load_routing_artifact(fit).params["drift"]
+    assert stats["centroid"]["threshold"] < stats["centroid"]["mean"] and stats["window"] == WINDOW
+    assert stats["prototype"] is not None and 0 <= stats["band_all_share"] <= 1
+    model = RoutingModel.load(fit)
+    verdicts = {}
+    for name, counts in (("held-back", held), ("foreign", _foreign(seed))):
+        mon = DriftMonitor.for_model(model, stats)
+        mon.observe_many(np.stack([model.signature(c) for c in counts]))
+        snap = mon.snapshot()
+        assert snap["requests"] == WINDOW
+        verdicts[name] = snap["drifted"]
+    assert verdicts == {"held-back": False, "foreign": True}
+
+
+def test_no_verdict_before_a_full_window_or_without_figures(tmp_path):
+    fit, held = _fit(tmp_path, 0, n=400)
+    model = RoutingModel.load(fit)
+    mon = DriftMonitor.for_model(model, load_routing_artifact(fit).params["drift"])
+    mon.observe_many(np.stack([model.signature(c) for c in held[:10]]))
+    assert mon.snapshot()["drifted"] is None and mon.snapshot()["requests"] == 10
+    old = DriftMonitor.for_model(model, None)
+    old.observe_many(np.stack([model.signature(c) for c in held]))
+    assert old.snapshot()["drifted"] is None and "refit" in old.snapshot()["reasons"][0]
+
+
+def test_proxy_exports_drift_and_health_says_so(tmp_path):
+    fit, held = _fit(tmp_path, 1)
+    foreign = _foreign(1)
+    table = {f"held {i}": c for i, c in enumerate(held[:WINDOW])} | {f"foreign {i}": c for i, c in enumerate(foreign)}
+    c = Cluster(routing=str(fit), policy="jsq", stub_kw={"counts_fn": table.__getitem__})
+    try:
+        with httpx.Client() as h:
+            for i in range(WINDOW):
+                r = h.post(c.url + "/v1/completions", json={"prompt": f"held {i}", "max_tokens": 1})
+                assert r.status_code == 200
+            c.app.drift.drain()
+            health = h.get(c.url + "/health").json()["drift"]
+            assert health["requests"] == WINDOW and health["drifted"] is False
+            assert c.metric("eldr_proxy_drift_flag") == 0
+            assert c.metric("eldr_proxy_drift_similarity", to="centroid") > c.metric("eldr_proxy_drift_threshold",
+                                                                                     to="centroid")
+            for i in range(WINDOW):
+                r = h.post(c.url + "/v1/completions", json={"prompt": f"foreign {i}", "max_tokens": 1})
+                assert r.status_code == 200
+            c.app.drift.drain()
+            health = h.get(c.url + "/health").json()["drift"]
+        assert health["drifted"] is True and "nearest centroid" in health["reasons"][0]
+        assert c.metric("eldr_proxy_drift_flag") == 1
+        assert c.metric("eldr_proxy_drift_similarity", to="centroid") < c.metric("eldr_proxy_drift_threshold",
+                                                                                 to="centroid")
+        assert 0 <= c.metric("eldr_proxy_drift_band_all_share") <= 1
+    finally:
+        c.close()
