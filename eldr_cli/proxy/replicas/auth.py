@@ -40,7 +40,7 @@ MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 CHANGE_WINDOW_S = 30.0  # admin and health changes: older (or further ahead, clock skew) is stale
 COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a replay dies young
 REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed", "outdated", "before_join", "unsynced",
-           "wrong_type", "oversized")
+           "wrong_type", "oversized", "reservation_range")
 _SALT = b"eldr serve-proxy shared state v1"
 LOG_EVERY_S = 60.0  # a rejection is logged at most once per reason per minute, with the count since
 WRONG_KEY_WINDOW_S = 60.0
@@ -196,15 +196,15 @@ class Envelope:
             self._last_change_seq[o] = s
         return Opened(o, s, k, p, t)
 
-    def reject(self, reason: str, body: bytes = b"", origin: str | None = None) -> None:
-        """Count a dropped message; log the first of each reason per minute, with the count since."""
-        self.rejected[reason] += 1
+    def reject(self, reason: str, body: bytes = b"", origin: str | None = None, n: int = 1) -> None:
+        """Count ``n`` dropped messages; log the first of each reason per minute, with the count since."""
+        self.rejected[reason] += n
         now = time.monotonic()
         last, since = self._logged.get(reason, (float("-inf"), 0))
         if now - last < LOG_EVERY_S:
-            self._logged[reason] = (last, since + 1)
+            self._logged[reason] = (last, since + n)
             return
-        self._logged[reason] = (now, 0)
+        self._logged[reason] = (now, n - 1)
         claimed = origin if origin is not None else _claimed_origin(body) if body else "?"
         log.warning("shared state: message ignored", extra={
             "event": "state_rejected", "replica": self.origin, "reason": reason, "origin_hash": origin_hash(claimed),

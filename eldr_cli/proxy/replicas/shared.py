@@ -174,7 +174,11 @@ class RedisState(ChannelsMixin, LocalState):
         self.configs.joined_ms = int(time.time() * 1000)
         self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
         if self.reserve_s > 0:
-            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s)
+            env = self.env
+            assert env is not None
+            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s,
+                                     peers=lambda: {o: c for o, (_, c, _) in self._others.items()},
+                                     on_ignored=lambda n: env.reject("reservation_range", n=n))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()), loop.create_task(self._subscribe_loop())]
         log.info("shared state", extra={"event": "state", "state": "redis", "replica": self.replica_id,
