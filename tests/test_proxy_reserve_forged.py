@@ -74,7 +74,7 @@ def _stream(url, i, out, n=1, max_tokens=20):
 
 def _run(url, streams, per_stream, decoders, sample=None):
     out: list = []
-    before = [sum(d.stats.values()) for d in decoders]
+    before = [d.stats["decode"] for d in decoders]
     ts = [threading.Thread(target=_stream, args=(url, i, out, per_stream)) for i in range(streams)]
     for t in ts:
         t.start()
@@ -85,7 +85,7 @@ def _run(url, streams, per_stream, decoders, sample=None):
     for t in ts:
         t.join()
     assert out == [200] * (streams * per_stream)
-    return [sum(d.stats.values()) - b for d, b in zip(decoders, before, strict=True)], max(spreads, default=0)
+    return [d.stats["decode"] - b for d, b in zip(decoders, before, strict=True)], max(spreads, default=0)
 
 
 def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster):
@@ -119,7 +119,7 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value):
     finally:
         stop.set()
         t.join()
-    assert min(per) >= 6 and spread <= 2, (per, spread)
+    assert min(per) >= 6 and spread <= 2, (per, spread)  # of 24
     assert a.state.shared.rejected["reservation_range"] > 0
 
 
