@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -56,10 +57,14 @@ def _stubs(tmp, ports, *extra):
     return p
 
 
+_KEY = secrets.token_hex(32)
+
+
 def _proxy(tmp, name, pre, dec, port, *extra):
+    env = {"ELDR_STATE_KEY": _KEY}  # the replicas' shared signing key, never a command-line value
     p = bp._spawn([str(BIN / "eldr"), "serve-proxy", *sum((["--prefill", u] for u in pre), []),
                    *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
-                   "--admin-token", "t", *extra], tmp / f"{name}.log")
+                   *extra], tmp / f"{name}.log", env=env)
     wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
     return p
 

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -126,8 +127,11 @@ def _before_tree(tmp: Path) -> Path:
     return dst
 
 
+_KEY = secrets.token_hex(32)
+
+
 def _replica(tmp, name, tree, pre, dec, state, port, *extra):
-    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": "k" * 32}
+    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": _KEY}  # both trees accept a 256-bit hex key
     p = bp._spawn([bp.PY, "-m", "eldr_cli", "serve-proxy", *sum((["--prefill", u] for u in pre), []),
                    *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
                    "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log", env=env)
@@ -167,7 +171,16 @@ def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
     for name, *_ in rows:
         res[f"median_us[{name}]"] = float(np.median([r["cpu_us_per_request"] for r in res[name]]))
         res[f"ratio_to_before[{name}]"] = res[f"median_us[{name}]"] / float(b)
+        # paired by round (the variants of a round ran back to back): mean ratio and a 95% t-interval
+        pr = np.array([x["cpu_us_per_request"] / y["cpu_us_per_request"] for x, y in zip(res[name], res["before"],
+                                                                                           strict=True)])
+        half = float(_T95.get(len(pr) - 1, 2.0) * pr.std(ddof=1) / np.sqrt(len(pr))) if len(pr) > 1 else float("nan")
+        res[f"paired_ratio[{name}]"] = {"per_round": pr.round(4).tolist(), "mean": float(pr.mean()),
+                                        "ci95": [float(pr.mean()) - half, float(pr.mean()) + half]}
     return res
+
+
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
 
 # ------------------------------------------------------------------------------------------ 3
@@ -308,6 +321,9 @@ def main():
         for k, v in result["cpu"].items():
             if k.startswith(("median_us", "ratio")):
                 print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v:.3f}")
+            elif k.startswith("paired_ratio"):
+                print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v['mean']:.3f} "
+                      f"(95% CI {v['ci95'][0]:.3f}..{v['ci95'][1]:.3f}; rounds {v['per_round']})")
     if "herd" in parts:
         result["herd"] = bench_herd(tmp, args)
         for k, v in result["herd"].items():

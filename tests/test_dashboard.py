@@ -55,12 +55,15 @@ def _used(expr: str) -> list[tuple[str, set[str]]]:
     return out
 
 
+TOKEN = "nSdsgYHMUJrNra6uG3HvVlMwp2n0I0q0tjf_TZkhnjY"  # with --state, the admin token signs: 256 bits (issue 28)
+
+
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
     d = tmp_path_factory.mktemp("dash")
     fit = build_routing(d, decoders=3)
     with RedisServer() as r:
-        c = Cluster(routing=str(fit), policy="eldr", decision_log=str(d / "d.jsonl"), admin_token="s3cret",
+        c = Cluster(routing=str(fit), policy="eldr", decision_log=str(d / "d.jsonl"), admin_token=TOKEN,
                     shadow=["eldr-live"], state=f"redis://{r.host}:{r.port}/0", scrape_metrics=True)
         try:
             assert httpx.post(c.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 2}).status_code \

@@ -22,7 +22,7 @@ from eldr_cli.testing.ports import free_port
 from eldr_cli.testing.servers import ServerThread, wait_http
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "s3cret"
+TOKEN = "nSdsgYHMUJrNra6uG3HvVlMwp2n0I0q0tjf_TZkhnjY"  # strong enough to derive the state key
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
@@ -184,6 +184,7 @@ def test_redis_down_means_local_routing_and_no_failed_request(workers):
             assert codes == [200] * 20
             assert _until(lambda: a.state.shared.in_outage, 3)
             assert a.state.shared.outages == 1 and a.state.shared.live_replicas == 1
+            assert a.state.shared.outage_kind == "unreachable"
             assert all(w.remote_inflight == 0 for w in a.state.decode)
             r.start()  # same port: sharing resumes by itself
             assert _until(lambda: a.state.shared.live_replicas == 2 and not a.state.shared.in_outage, 10)

@@ -20,7 +20,7 @@ from eldr_cli.routing.policies import Ranking
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "reserve-test-token"
+TOKEN = "twVifMMFRcu3cMI8JS-VhOZ9_r2DnlDjopCSJg_W_fo"  # strong enough to derive the state key
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +150,11 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
     url, reps, _, dec = cluster
     (a, sa), _ = reps
     r = redis_py.Redis.from_url(url)
-    try:  # the attacker makes d0 look full in Redis (reservations are not signed)
-        r.hset(f"{a.state.shared.ns}:reserved", f"attacker|decode|{dec[0]}", 1000)
+    (b, _) = reps[1]
+    assert _until(lambda: b.state.shared.replica_id in a.state.shared._others)  # B's signed state verified on A
+    try:  # the attacker makes d0 look full in Redis (reservations are not signed), under a live replica's name
+        # (a name with no signed heartbeat counts nothing; issue 28): counted up to B's signed load there + SLACK
+        r.hset(f"{a.state.shared.ns}:reserved", f"{b.state.shared.replica_id}|decode|{dec[0]}", 1000)
 
         w1 = a.state.decode.find(dec[1])
 

@@ -13,12 +13,14 @@ import pytest
 import redis as redis_py
 
 from eldr_cli.proxy import ProxyConfig, create_app
-from eldr_cli.proxy.replicas.auth import Envelope, resolve_state_key
+from eldr_cli.proxy.replicas import auth
+from eldr_cli.proxy.replicas.auth import Envelope, origin_hash, resolve_state_key
+from eldr_cli.proxy.replicas.configsync import ConfigSync
 from eldr_cli.proxy.replicas.redis_server import RedisServer
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
-TOKEN = "s3cret-admin-token"
+TOKEN = "h8qAN_4KJ3LkA2nwK-gAoS0kWk-PmtQkgX_LJuAtJ-E"  # a test token: 43 base64url characters
 PASSWORD = "redis-pass-1"
 
 
@@ -78,14 +80,28 @@ def _sealed(key: bytes, ns: str, origin: str, kind: str, payload, age_s: float =
     return env._tag(body) + b"." + body
 
 
-def _battery(r, seal, ns, evil, real_decoder):
-    """The issue's attack (and the counts and heartbeat variants), each message made by ``seal``."""
-    r.publish(f"{ns}:admin", seal("workers", {"action": "add", "role": "decode", "url": evil}))
-    r.publish(f"{ns}:admin", seal("health", {"role": "decode", "url": real_decoder, "healthy": False}))
-    r.publish(f"{ns}:admin", seal("policy", {"policy": "round-robin"}))
+def _genuine(key, ns, origin):
+    """A replica's change sealing (versioned, as RedisState publishes them), for a replica that is not running."""
+    return ConfigSync(Envelope(key, ns, origin), ns).seal_change
+
+
+def _battery(r, seal, ns, evil, real_decoder, change=None):
+    """The issue's attack (and the counts and heartbeat variants), each message made by ``seal`` (changes by
+    ``change``, default ``seal``)."""
+    change = change or seal
+    r.publish(f"{ns}:admin", change("workers", {"action": "add", "role": "decode", "url": evil}))
+    r.publish(f"{ns}:admin", change("health", {"role": "decode", "url": real_decoder, "healthy": False}))
+    r.publish(f"{ns}:admin", change("policy", {"policy": "round-robin"}))
     r.set(f"{ns}:inflight:ghost", seal("counts", {"c": {f"decode|{real_decoder}": 50}}), px=5000)
     r.sadd(f"{ns}:replicas", "ghost")
     r.publish(f"{ns}:counts", seal("counts", {"c": {f"decode|{real_decoder}": 50}}))
+
+
+def _set_hash(origins):
+    """What /health shows for a set of claimed origins (each hashed, then the sorted set hashed)."""
+    import hashlib
+
+    return hashlib.sha256(",".join(sorted(origin_hash(o) for o in origins)).encode()).hexdigest()[:12]
 
 
 def _view(url):
@@ -104,11 +120,11 @@ def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, targe
     _battery(r, lambda k, p: _sealed(b"not the key" * 3, ns, "attacker", k, p), ns, evil, d0)
     _battery(r, lambda k, p: _sealed(key, ns, "attacker", k, p, age_s=120), ns, evil, d0)
     # a genuine change, then the same bytes again (replayed) after a newer one
-    genuine = Envelope(key, ns, "replica-b")
-    m1 = genuine.seal("policy", {"policy": "round-robin"})
+    genuine = _genuine(key, ns, "replica-b")
+    m1 = genuine("policy", {"policy": "round-robin"})
     r.publish(f"{ns}:admin", m1)
     assert _until(lambda: a.state.policy_name == "round-robin", 3)
-    r.publish(f"{ns}:admin", genuine.seal("policy", {"policy": "jsq"}))
+    r.publish(f"{ns}:admin", genuine("policy", {"policy": "jsq"}))
     assert _until(lambda: a.state.policy_name == "jsq", 3)
     r.publish(f"{ns}:admin", m1)
     time.sleep(0.5)  # several heartbeats
@@ -123,7 +139,8 @@ def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, targe
     assert sum(evil_stub.stats.values()) == 0  # no prompt reached the attacker's server
     rej = h["state_rejected"]
     assert rej["unsigned"] >= 5 and rej["bad_signature"] >= 4 and rej["stale"] >= 4 and rej["replayed"] == 1
-    assert "attacker" in h["state_ignored_origins"]
+    wk = h["state_wrong_key"]
+    assert wk["origins"] == 1 and wk["hash"] == _set_hash(["attacker"]) and "attacker" not in str(h)
     metrics = httpx.get(sa.url + "/metrics").text
     assert 'eldr_proxy_state_rejected_total{reason="bad_signature"}' in metrics
 
@@ -131,7 +148,7 @@ def test_unsigned_forged_stale_and_replayed_messages_change_nothing(stubs, targe
 def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
     (p0, d0, d1, evil), _ = stubs
     a, sa, r, ns, key = target
-    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0)
+    _battery(r, Envelope(key, ns, "ghost").seal, ns, evil, d0, change=_genuine(key, ns, "ghost"))
     assert _until(lambda: len(a.state.decode) == 3 and a.state.policy_name == "round-robin"
                   and a.state.shared.live_replicas == 2)
     h, dec = _view(sa.url)
@@ -143,7 +160,7 @@ def test_the_same_battery_signed_with_the_key_takes_effect(stubs, target):
 def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
     (p0, d0, d1, _), _ = stubs
     a, sa, r, ns, key = target
-    signed = Envelope(key, ns, "replica-b")
+    signed = _genuine(key, ns, "replica-b")
     # the admin endpoint refuses these; signed remote copies are refused the same way
     local = httpx.post(sa.url + "/admin/workers", json={"action": "add", "role": "decode",
                                                         "url": "http://127.0.0.1:0"},
@@ -154,7 +171,7 @@ def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
                        ("health", {"role": "decode", "url": d0, "healthy": "no"}),
                        ("policy", {"policy": "nonsense"}),
                        ("reload", {"routing": "/nonexistent"})):
-        r.publish(f"{ns}:admin", signed.seal(kind, body))
+        r.publish(f"{ns}:admin", signed(kind, body))
     m = a.metrics
     assert _until(lambda: sum(m.child(m.admin_actions, k, "remote_refused")._value.get()
                               for k in ("workers", "health", "policy", "reload")) == 5)
@@ -165,16 +182,18 @@ def test_a_remote_change_meets_the_checks_of_a_local_one(stubs, target):
 def test_a_replica_with_the_wrong_key_is_ignored_and_visible(stubs, redis_url, tmp_path):
     (p0, d0, d1, _), _ = stubs
     keyfile = tmp_path / "other.key"
-    keyfile.write_text("another-key-0123456789abcdef")
+    keyfile.write_text("9mzM9C6EL3-jKnsHbIUwrOSRbB3QOuzlNETndu7vsoE")  # another strong key
     keyfile.chmod(0o600)
     a, sa = _replica([p0], [d0, d1], redis_url)
     c, sc = _replica([p0], [d0, d1], redis_url, state_key_file=str(keyfile))
     try:
-        assert _until(lambda: c.state.shared.replica_id in httpx.get(sa.url + "/health").json()
-                      ["state_ignored_origins"])
+        c_id, a_id = c.state.shared.replica_id, a.state.shared.replica_id
+        assert _until(lambda: httpx.get(sa.url + "/health").json()["state_wrong_key"]["hash"] == _set_hash([c_id]))
         h = httpx.get(sa.url + "/health").json()
         assert h["replicas"] == 1 and h["state_rejected"]["bad_signature"] > 0
-        assert a.state.shared.replica_id in httpx.get(sc.url + "/health").json()["state_ignored_origins"]
+        hc = httpx.get(sc.url + "/health").json()
+        assert hc["state_wrong_key"]["hash"] == _set_hash([a_id])
+        assert hc["state_wrong_key"]["this_key_id"] != h["state_wrong_key"]["this_key_id"]  # told apart at a look
     finally:
         sa.stop()
         sc.stop()
@@ -242,7 +261,10 @@ def test_redis_rejecting_the_password_later_is_an_outage_not_a_crash(stubs):
             resp = httpx.post(sa.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
                               timeout=30)
             assert resp.status_code == 200 and a.state.shared.outages == 1
-            assert httpx.get(sa.url + "/health").json()["replicas"] == 1
+            # first the dropped connection ("unreachable"), then the refused password: the outage says so
+            assert _until(lambda: a.state.shared.outage_kind == "refusing", 3)
+            h = httpx.get(sa.url + "/health").json()
+            assert h["replicas"] == 1 and h["state_outage"] == "refusing"
         finally:
             sa.stop()
             sb.stop()
@@ -261,3 +283,53 @@ def test_envelope_binds_bytes_namespace_and_sequence():
     assert other_ns.open(a.seal("policy", {}), ("policy",)) is None and other_ns.rejected["bad_signature"] == 1
     assert a.open(a.seal("policy", {}), ("policy",)) is None and sum(a.rejected.values()) == 0  # own echo
     assert b.open(a.seal("counts", {}), ("policy",)) is None and b.rejected["malformed"] == 1  # wrong kind
+
+
+def test_a_flood_of_made_up_origins_blinds_neither_logs_nor_health(stubs, redis_url, tmp_path, caplog,
+                                                                    monkeypatch):
+    """The issue's blinding: 1,100 unsigned and 1,100 badly signed messages with distinct claimed origins,
+    then a real replica with the wrong key. The log says each reason once (with the count since, when the
+    minute is up); /health still shows the wrong-key replica, as a count and a hash, no attacker text."""
+    (p0, d0, d1, _), _ = stubs
+    monkeypatch.setattr(auth, "LOG_EVERY_S", 2.0)  # the minute, shortened
+    a, sa = _replica([p0], [d0, d1], redis_url)
+    r = redis_py.Redis.from_url(redis_url)
+    ns = a.state.shared.ns
+    keyfile = tmp_path / "other.key"
+    keyfile.write_text("9mzM9C6EL3-jKnsHbIUwrOSRbB3QOuzlNETndu7vsoE")
+    keyfile.chmod(0o600)
+    c = sc = None
+    try:
+        assert _until(lambda: a.state.shared.sync_age_s() < 0.5)
+        caplog.set_level("WARNING", logger="eldr.proxy.state")
+        t0 = time.monotonic()
+        for i in range(1100):
+            r.publish(f"{ns}:admin", orjson.dumps({"o": f"evil\n{i}<script>", "k": "policy", "p": {}}))
+            r.publish(f"{ns}:admin", _sealed(b"x" * 32, ns, f"evil-{i}", "policy", {"policy": "jsq"}))
+        assert _until(lambda: a.state.shared.rejected["bad_signature"] >= 1100 and
+                      a.state.shared.rejected["unsigned"] >= 1100, 10)
+        c, sc = _replica([p0], [d0, d1], redis_url, state_key_file=str(keyfile))
+        c_hash = origin_hash(c.state.shared.replica_id)
+        assert _until(lambda: c_hash in a.state.shared.env.wrong_key)
+        wk = httpx.get(sa.url + "/health").json()["state_wrong_key"]
+        assert wk["origins"] >= 1101 and not wk["saturated"]
+        def lines(reason):
+            return [rec for rec in caplog.records if getattr(rec, "event", None) == "state_rejected"
+                    and rec.reason == reason and rec.replica == a.state.shared.replica_id]  # A's lines, not C's
+
+        bound = (time.monotonic() - t0) / 2.0 + 1  # one line per reason per (shortened) minute
+        assert 1 <= len(lines("unsigned")) <= bound and 1 <= len(lines("bad_signature")) <= bound
+        time.sleep(2.1)  # the minute is up: the next rejection is logged, with the count since the last line
+        n = len(lines("unsigned"))
+        r.publish(f"{ns}:admin", b"unsigned again")
+        assert _until(lambda: len(lines("unsigned")) == n + 1)
+        assert lines("unsigned")[-1].ignored_since_last_log >= 1
+        # nothing lost: every rejection is a line or counted in the next one
+        assert sum(1 + rec.ignored_since_last_log for rec in lines("unsigned")) == a.state.shared.rejected["unsigned"]
+        text = caplog.text + str(httpx.get(sa.url + "/health").json())
+        assert "evil" not in text and "<script>" not in text  # the attacker's text is nowhere
+    finally:
+        sa.stop()
+        if sc is not None:
+            sc.stop()
+        r.close()

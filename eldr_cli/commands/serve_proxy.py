@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -23,8 +23,12 @@ def serve_proxy_cmd(
     tau: Optional[float] = typer.Option(None, "--tau", help="Locality band width (default: the artifact's tau)."),
     host: Optional[str] = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, "--port", help="Port (default 8000)."),
-    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN",
-                                              help="Bearer token for /admin/* (unset: admin disabled)."),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token",
+                                              help="Refused (a command line is visible to every user): set "
+                                                   "$ELDR_ADMIN_TOKEN or use --admin-token-file."),
+    admin_token_file: Optional[str] = typer.Option(None, "--admin-token-file",
+                                                   help="File (mode 600) with the bearer token for /admin/* "
+                                                        "(or $ELDR_ADMIN_TOKEN; unset: admin disabled)."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML or TOML file with the same keys."),
     decision_log: Optional[str] = typer.Option(None, "--decision-log", help="FILE.jsonl or FILE.parquet."),
     decision_log_replay: Optional[bool] = typer.Option(None, "--decision-log-replay/--no-decision-log-replay"),
@@ -54,18 +58,18 @@ def serve_proxy_cmd(
                                                "through --state, or a private redis-server without it."),
 ) -> None:
     """Route each request's decode leg by its expert signature and live load (ELDR §4.3.2)."""
-    from eldr_cli.console import console
     from eldr_cli.proxy import build_config, serve
+    from eldr_cli.proxy.config import refuse_command_line_secrets
 
+    refuse_command_line_secrets(admin_token, state)
     cfg = build_config(config, routing=str(routing) if routing else None, prefill=prefill, decode=decode,
                        cost_model=str(cost_model) if cost_model else None, policy=policy, shadow=shadow, tau=tau,
-                       host=host, port=port, admin_token=admin_token, decision_log=decision_log,
+                       host=host, port=port, admin_token_file=admin_token_file, decision_log=decision_log,
                        decision_log_replay=decision_log_replay, scrape_metrics=scrape_metrics,
                        max_body_bytes=max_body_bytes, log_level=log_level, state=state, workers=workers,
                        state_key_file=state_key_file, state_password_file=state_password_file,
                        state_ca_file=state_ca_file, state_prefix=state_prefix, state_reserve_ms=state_reserve_ms)
     from eldr_cli.proxy.app import create_app
-    from eldr_cli.proxy.replicas.conn import redact
     from eldr_cli.proxy.server import bind_socket, serve_workers
 
     app = create_app(cfg)  # fail fast (routing artifact, K vs decode pool) before binding
@@ -78,17 +82,24 @@ def serve_proxy_cmd(
 
         require_redis_server(f"--workers {cfg.workers} without --state shares state through a private redis-server")
     sock = bind_socket(cfg.host, cfg.port, reuse_port=cfg.workers > 1)  # a busy port fails before the banner
+    _banner(cfg)
+    if cfg.workers > 1:
+        sock.close()  # each worker process binds its own SO_REUSEPORT socket
+        serve_workers(cfg)
+    else:
+        serve(cfg, sock)
+
+
+def _banner(cfg: Any) -> None:
+    from eldr_cli.console import console
+    from eldr_cli.proxy.replicas.conn import redact
+
     console.print(f"[green]eldr serve-proxy[/] on http://{cfg.host}:{cfg.port}  policy={cfg.policy}"
                   f"  prefill={len(cfg.prefill)}  decode={len(cfg.decode)}"
                   + (f"  routing={cfg.routing}" if cfg.routing else "")
                   + ("  admin=on" if cfg.admin_token else "  admin=off")
                   + (f"  workers={cfg.workers}" if cfg.workers > 1 else "")
                   + (f"  state={redact(cfg.state)}" if cfg.state != "local" else ""), highlight=False)
-    if cfg.workers > 1:
-        sock.close()  # each worker process binds its own SO_REUSEPORT socket
-        serve_workers(cfg)
-    else:
-        serve(cfg, sock)
 
 
 def register(app: typer.Typer) -> None:

@@ -72,6 +72,63 @@ class AdminMixin(AppParts):
         log.info("admin (from another replica)", extra={"event": "admin", "action": action, "body": body,
                                                          "remote": True})
 
+    def current_config(self) -> dict[str, Any]:
+        """The run-time configuration replicas agree on (the signed snapshot's content)."""
+        st = self.state
+        return {"policy": st.policy_name, "tau": st.tau_override, "routing": st.routing_path,
+                "prefill": [w.url for w in st.prefill], "decode": [w.url for w in st.decode],
+                "down": sorted(f"{w.role}|{w.url}" for w in [*st.prefill, *st.decode] if not w.healthy)}
+
+    def adopt_config(self, c: dict[str, Any]) -> None:
+        """The cluster's configuration (a newer signed snapshot: changes made while this replica was down,
+        or missed): validated like an admin change, then applied in one go."""
+        m, st = self.metrics, self.state
+        try:
+            pools: dict[str, list[str]] = {}
+            for role in ("prefill", "decode"):
+                urls = c.get(role)
+                if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+                    raise Refused(f"{role} must be a non-empty list of URLs")
+                for u in urls:
+                    check_worker_url(u, role)
+                pools[role] = urls
+            down = c.get("down", [])
+            if not isinstance(down, list) or not all(isinstance(d, str) for d in down):
+                raise Refused("down must be a list")
+            model = st.model
+            if c.get("routing") != st.routing_path:
+                if not isinstance(c.get("routing"), str):
+                    raise Refused("routing must be a path")
+                model = RoutingModel.load(c["routing"])
+            name, tau = validate_policy_change(c, policy=st.policy_name, tau=st.tau_override)
+            router = st.make(name, len(pools["decode"]), model, tau)
+        except (EldrError, Refused) as e:
+            m.child(m.admin_actions, "config", "remote_refused").inc()
+            log.error("the cluster's configuration was refused here", extra={
+                "event": "admin", "action": "config", "reason": str(e), "remote": True})
+            return
+        for role, urls in pools.items():
+            self._sync_pool(st.prefill if role == "prefill" else st.decode, urls)
+        for w in [*st.prefill, *st.decode]:
+            w.healthy = f"{w.role}|{w.url}" not in down
+        st.model, st.routing_path, st.router, st.tau_override = model, c.get("routing"), router, tau
+        m.child(m.admin_actions, "config", "remote_ok").inc()
+        log.info("adopted the cluster's configuration", extra={"event": "admin", "action": "config",
+                                                               "remote": True, "policy": name})
+
+    def _sync_pool(self, pool: Any, urls: list[str]) -> None:
+        """``pool`` made to hold exactly ``urls``, in that order (kept workers keep their ids and counts)."""
+        urls = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for w in list(pool):
+            if w.url not in urls:
+                pool.remove(w.url)
+                self._spawn(self._close_when_drained(w))
+        for u in urls:
+            if pool.find(u) is None:
+                self._open(pool.add(u))
+        have = {w.url: w for w in pool}
+        pool.workers = [have[u] for u in urls]
+
     # -- admin ----------------------------------------------------------------------------------
     async def _admin(self, path: str, method: str, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.metrics
@@ -82,7 +139,7 @@ class AdminMixin(AppParts):
         if not token:
             m.child(m.admin_actions, action, "disabled").inc()
             return await send_json(send, 403, error_body("admin endpoints are disabled; start the proxy with "
-                                                    "--admin-token or ELDR_ADMIN_TOKEN", "permission_error", 403))
+                                                    "ELDR_ADMIN_TOKEN or --admin-token-file", "permission_error", 403))
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if not hmac.compare_digest(auth, b"Bearer " + token.encode()):
             m.child(m.admin_actions, action, "unauthorized").inc()

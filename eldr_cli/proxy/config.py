@@ -1,7 +1,10 @@
 """Proxy configuration: one dataclass, filled from a YAML/TOML file and/or CLI options.
 
 Config file keys are the CLI option names with ``-`` or ``_`` (``--admin-token`` -> ``admin_token``);
-CLI options given explicitly win over the file.
+CLI options given explicitly win over the file. Secrets never come from the command line (``ps`` shows it
+to every user): the admin token from ``$ELDR_ADMIN_TOKEN`` or ``--admin-token-file``, the Redis password
+from ``$ELDR_STATE_PASSWORD`` or ``--state-password-file``; a config file holding either must be readable
+by its owner only, like every secret file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     admin_token: str | None = None      # None -> env ELDR_ADMIN_TOKEN; unset -> admin endpoints disabled
+    admin_token_file: str | None = None  # a file (mode 600) holding the admin token (wins over the env)
     max_body_bytes: int = 4 * 1024 * 1024
     # upstream timeouts (seconds)
     connect_timeout_s: float = 5.0
@@ -93,8 +97,7 @@ class ProxyConfig:
         elif self.decision_log_replay:
             raise EldrError("--decision-log-replay adds fields to the decision log, but no --decision-log is given",
                             hint="pass --decision-log FILE.jsonl (or .parquet) as well")
-        if self.admin_token is None:
-            self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
+        self._resolve_admin_token()
         self.prefill = [u.rstrip("/") for u in self.prefill]
         self.decode = [u.rstrip("/") for u in self.decode]
         return self
@@ -111,10 +114,44 @@ class ProxyConfig:
             raise EldrError(f"--state-reserve-ms must be between 0 and 1000, got {self.state_reserve_ms!r}")
         if self.state == "local":
             return
-        if self.admin_token is None:
-            self.admin_token = os.environ.get("ELDR_ADMIN_TOKEN") or None
+        self._resolve_admin_token()
         resolve_state_key(self.state_key_file, self.admin_token, self.state)
         build_state_conn(self.state, self.state_prefix, self.state_password_file, self.state_ca_file)
+
+
+    def _resolve_admin_token(self) -> None:
+        from eldr_cli.proxy.replicas.auth import read_secret_file
+
+        if self.admin_token_file:
+            if self.admin_token is not None:
+                raise EldrError("give the admin token once: admin_token or --admin-token-file, not both")
+            self.admin_token = read_secret_file(self.admin_token_file, "--admin-token-file").decode()
+            self.admin_token_file = None
+        if self.admin_token is None:
+            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
+ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+
+
+def refuse_command_line_secrets(admin_token: str | None, state: str | None) -> None:
+    """A secret given as a command-line value (visible to every user through ``ps``): EldrError naming
+    the environment variable or file that replaces it."""
+    from urllib.parse import urlsplit
+
+    if admin_token is not None:
+        raise EldrError("--admin-token VALUE puts the token on the command line, where `ps` shows it to every "
+                        "user of this host", hint=f"set {ADMIN_TOKEN_ENV} or pass --admin-token-file FILE (mode 600)")
+    if state is not None and state.startswith(("redis://", "rediss://")):
+        try:
+            pw = urlsplit(state).password
+        except ValueError:
+            pw = None
+        if pw is not None:
+            raise EldrError("--state: the Redis password in the URL would be on the command line, where `ps` "
+                            "shows it to every user of this host",
+                            hint="drop it from the URL and set ELDR_STATE_PASSWORD or pass --state-password-file "
+                                 "FILE (mode 600)")
 
 
 def check_worker_url(url: str, flag: str) -> None:
@@ -173,6 +210,7 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise EldrError(f"cannot parse config file {p}: {e}") from None
     if not isinstance(data, dict):
         raise EldrError(f"config file {p} must hold a mapping of option names to values")
+    _check_secret_file_mode(p, data)
     known = {f.name for f in dataclasses.fields(ProxyConfig)}
     out: dict[str, Any] = {}
     for k, v in data.items():
@@ -183,6 +221,23 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             v = [v]
         out[key] = v
     return out
+
+
+def _check_secret_file_mode(p: Path, data: dict[Any, Any]) -> None:
+    """A config file that holds a secret (the admin token, a password in the state URL) is a secret file."""
+    from urllib.parse import urlsplit
+
+    state = data.get("state")
+    try:
+        pw = urlsplit(state).password if isinstance(state, str) else None
+    except ValueError:
+        pw = None
+    secret = "admin_token" if data.get("admin_token") or data.get("admin-token") else "a password in state" if pw \
+        else None
+    mode = p.stat().st_mode & 0o777
+    if secret and mode & 0o077:
+        raise EldrError(f"config file {p} holds {secret} but users other than its owner can read it (mode {mode:o})",
+                        hint=f"chmod 600 {p}, or move the secret to its environment variable or file option")
 
 
 def build_config(file: str | os.PathLike[str] | None = None, **overrides: Any) -> ProxyConfig:

@@ -25,8 +25,9 @@ class HealthMixin(AppParts):
         body = {"status": "ok" if ok else "unavailable", "policy": st.policy_name, "tau": st.tau_effective(),
                 "routing": st.routing_path, "prefill_up": p_up, "decode_up": d_up,
                 "in_progress": st.in_progress, "state": st.shared.kind, "replica": st.shared.replica_id,
-                "replicas": st.shared.live_replicas, "state_rejected": st.shared.rejected,
-                "state_ignored_origins": st.shared.ignored_origins(),
+                "replicas": st.shared.live_replicas, "state_outage": st.shared.outage_kind,
+                "state_rejected": st.shared.rejected,
+                "state_wrong_key": st.shared.wrong_key(),
                 "workers": [w.as_dict() for w in [*st.prefill, *st.decode]],
                 "drift": None if self.drift is None else self.drift.snapshot(),
                 "shadow": None if self.shadow is None else self.shadow.describe()}

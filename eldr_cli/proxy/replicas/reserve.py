@@ -16,8 +16,12 @@ so they only choose *among* candidates the replica picked from signed data: the 
 locality band; eldr-live: every decoder in its order of preference; JSQ: the healthy pool), narrowed to the
 workers whose signed load is within the policy's slack plus ``TRUST_MARGIN`` of the least loaded; the
 decision's own worker always stays a candidate (a margin must never drop the policy's own choice).
-Forged reservations can therefore move a choice only inside that set. Fields of replicas whose
-heartbeat key has expired are removed by the others (a crash does not leak slots for long).
+Forged reservations can therefore move a choice only inside that set. And the script reads only the
+fields it needs (``HMGET``: this replica's and those of the replicas whose *signed* heartbeat verified at
+the last beat, for each candidate), counts a value only in ``0..MAX_IN_FLIGHT`` (integers; ``nan``,
+``inf``, negatives and text are ignored and counted: ``eldr_proxy_state_rejected_total{reason=
+"reservation_range"}``); every other field is removed about once a second (a crash does not leak slots
+for long, and a bare ``inflight:<name>`` key keeps nothing alive).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,30 +40,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("eldr.proxy.state")
 
 TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's slack + TRUST_MARGIN
+MAX_IN_FLIGHT = 1024  # a replica's reserved slots on one worker (its connection cap): more is forged
 RESULTS = ("ok", "timeout", "error", "skipped")
 
 _SELECT = """
-local h = redis.call('HGETALL', KEYS[1])
-local load = {}
-for i = 1, #h, 2 do
-  local p = string.find(h[i], '|', 1, true)
-  if p then
-    local w = string.sub(h[i], p + 1)
-    load[w] = (load[w] or 0) + (tonumber(h[i + 1]) or 0)
-  end
-end
 local slack = tonumber(ARGV[2]) or 0
-local least = nil
-for i = 3, #ARGV do
-  local n = load[ARGV[i]] or 0
+local nrep, ncand, maxv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local r0, c0 = 6, 6 + nrep
+local k0 = c0 + ncand
+local load, bad, least = {}, 0, nil
+for j = 1, ncand do
+  local f = {ARGV[1] .. '|' .. ARGV[c0 + j - 1]}
+  for i = 1, nrep do f[i + 1] = ARGV[r0 + i - 1] .. '|' .. ARGV[c0 + j - 1] end
+  local vals = redis.call('HMGET', KEYS[1], unpack(f))
+  local n = 0
+  for i = 1, nrep + 1 do
+    local v = vals[i]
+    if v then
+      local x = tonumber(v)
+      if x and x == x and x >= 0 and x <= maxv and x == math.floor(x) then
+        if i > 1 then x = math.min(x, tonumber(ARGV[k0 + (i - 2) * ncand + j - 1])) end
+        n = n + x
+      else
+        bad = bad + 1
+      end
+    end
+  end
+  load[j] = n
   if least == nil or n < least then least = n end
 end
-local best = 3
-for i = 3, #ARGV do
-  if (load[ARGV[i]] or 0) <= least + slack then best = i break end
+local best = 1
+for j = 1, ncand do
+  if load[j] <= least + slack then best = j break end
 end
-redis.call('HINCRBY', KEYS[1], ARGV[1] .. '|' .. ARGV[best], 1)
-return best - 3
+local own = ARGV[1] .. '|' .. ARGV[c0 + best - 1]
+local x = tonumber(redis.call('HGET', KEYS[1], own) or '0')
+if x and x == x and x >= 0 and x < maxv and x == math.floor(x) then
+  redis.call('HINCRBY', KEYS[1], own, 1)
+else
+  redis.call('HSET', KEYS[1], own, 1)
+end
+return {best - 1, bad}
 """
 _RELEASE = """
 local v = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
@@ -72,10 +93,12 @@ if v <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return redis.call('HINCRBY', KEYS[1], ARGV[2], 1)
 """
 _CLEANUP = """
+local live = {}
+for i = 1, #ARGV do live[ARGV[i]] = true end
 local n = 0
 for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
   local p = string.find(f, '|', 1, true)
-  if not p or redis.call('EXISTS', ARGV[1] .. string.sub(f, 1, p - 1)) == 0 then
+  if not p or not live[string.sub(f, 1, p - 1)] then
     redis.call('HDEL', KEYS[1], f)
     n = n + 1
   end
@@ -95,9 +118,12 @@ class Slot:
 class Reserver:
     """The reservation side of :class:`eldr_cli.proxy.replicas.shared.RedisState` (one per replica)."""
 
-    def __init__(self, redis: Any, ns: str, replica_id: str, deadline_s: float):
+    def __init__(self, redis: Any, ns: str, replica_id: str, deadline_s: float,
+                 peers: Callable[[], dict[str, dict[str, int]]] = dict,
+                 on_ignored: Callable[[int], None] | None = None):
         self.key, self.replica_id, self.deadline_s = f"{ns}:reserved", replica_id, deadline_s
-        self.heartbeat_prefix = f"{ns}:inflight:"
+        self._peers = peers  # the other replicas whose signed state verified: {replica: {worker key: in-flight}}
+        self._on_ignored = on_ignored  # called with the number of fields outside 0..MAX_IN_FLIGHT seen
         self._redis = redis
         self._select = redis.register_script(_SELECT)
         self._release = redis.register_script(_RELEASE)
@@ -111,19 +137,24 @@ class Reserver:
         all replicas are within ``slack`` of the least (0: the least reserved, ties in order); (None, the
         pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
         (None, None) on errors."""
-        task = asyncio.get_running_loop().create_task(
-            self._select(keys=[self.key], args=[self.replica_id, slack, *cands]))
+        peers = self._peers()
+        reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
+        caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
+        task = asyncio.get_running_loop().create_task(self._select(
+            keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps]))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
             return None, task
         try:
-            i = int(task.result())
+            i, ignored = (int(x) for x in task.result())
         except Exception as e:  # noqa: BLE001 - Redis down or refusing: the local decision stands
             self.results["error"] += 1
             log.debug("reservation failed", extra={"event": "state", "error": str(e)})
             return None, None
         self.results["ok"] += 1
+        if ignored and self._on_ignored is not None:
+            self._on_ignored(ignored)
         return (i, None) if 0 <= i < len(cands) else (None, None)
 
     def late_slot(self, task: asyncio.Task[Any], cands: Sequence[str], used: str) -> Slot:
@@ -132,7 +163,7 @@ class Reserver:
         return Slot(used, self._spawn(self._move_late(task, cands, used)))
 
     async def _move_late(self, task: asyncio.Task[Any], cands: Sequence[str], local: str) -> None:
-        i = int(await task)
+        i = int((await task)[0])
         if cands[i] != local:
             await self._move(keys=[self.key], args=[f"{self.replica_id}|{cands[i]}", f"{self.replica_id}|{local}"])
 
@@ -159,8 +190,9 @@ class Reserver:
             t.exception()  # retrieved: a failed release is the outage path (fields expire with the replica)
 
     async def cleanup(self) -> None:
-        """Drop the slots of replicas whose heartbeat key is gone (stopped or crashed)."""
-        await self._cleanup(keys=[self.key], args=[self.heartbeat_prefix])
+        """Drop the slots of every replica but this one and those whose signed heartbeat verified at the
+        last beat (stopped, crashed, or a name only an attacker writes: a bare key is no heartbeat)."""
+        await self._cleanup(keys=[self.key], args=[self.replica_id, *self._peers()])
 
     async def stop(self) -> None:
         for t in list(self._bg):

@@ -24,10 +24,9 @@ the same "least loaded" decoder. What is shared, and how:
   applied locally first (so a change refused on one replica is published nowhere), then published on
   ``<ns>:admin``; every other replica applies the same change. Health transitions (a worker marked
   down or up by a replica's checker) are published the same way.
-- **Outage.** If Redis cannot be reached, each replica routes on its local counts alone (the remote
-  counts are dropped, not frozen), logs the outage once and counts it; sharing resumes by itself
-  when Redis answers again. No request fails because of Redis (a reservation that fails or is late
-  leaves the local decision).
+- **Outage** (Redis unreachable or refusing; garbage in a key is not one: :mod:`.reads`): each replica
+  routes on its local counts alone (the remote counts are dropped), logs it once, shares again by itself
+  when Redis answers. No request fails because of Redis.
 Decision logs stay per replica. :class:`LocalState` is the single-process default (nothing shared).
 """
 
@@ -40,17 +39,25 @@ import uuid
 from typing import Any, Protocol
 
 from eldr_cli.proxy.replicas.auth import REASONS, Envelope
+from eldr_cli.proxy.replicas.channels import HEARTBEAT_S, ChannelsMixin
+from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ZERO, ConfigSync, Version, parse_version
 from eldr_cli.proxy.replicas.conn import StateConn
 from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
+from eldr_cli.proxy.replicas.reads import (
+    MAX_VALUE_BYTES,
+    NEW_NAMES_BUDGET,
+    check_reserved,
+    outage_kind,
+    read_heartbeats,
+    replica_name,
+)
 from eldr_cli.proxy.replicas.reserve import Reserver
 
 log = logging.getLogger("eldr.proxy.state")
 
-HEARTBEAT_S = 0.1
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
 STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
-CHANGE_KINDS = ("policy", "workers", "reload", "health")
 MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
 
 
@@ -65,6 +72,10 @@ class StateHost(Protocol):
 
     def apply_remote_change(self, action: str, body: dict[str, Any]) -> None: ...
 
+    def current_config(self) -> dict[str, Any]: ...
+
+    def adopt_config(self, config: dict[str, Any]) -> None: ...
+
 
 class LocalState:
     """One process, nothing shared: the embedded default."""
@@ -76,6 +87,7 @@ class LocalState:
         self.errors = 0
         self.outages = 0
         self.in_outage = False
+        self.outage_kind: str | None = None  # "unreachable" or "refusing" while in_outage
         self.local_vectors: dict[str, dict[str, list[int]]] = {}  # name -> worker id -> vector
         self.env: Envelope | None = None
         self.reserver: Reserver | None = None  # atomic select-and-reserve (Redis only, eldr_cli.proxy.replicas.reserve)
@@ -84,13 +96,9 @@ class LocalState:
     def rejected(self) -> dict[str, int]:
         return self.env.rejected if self.env is not None else dict.fromkeys(REASONS, 0)
 
-    def ignored_origins(self, within_s: float = 60.0) -> list[str]:
-        """Origins (as claimed) whose messages failed the signature check lately: a replica with
-        another key, or someone forging."""
-        if self.env is None:
-            return []
-        now = time.time()
-        return sorted(o for o, t in self.env.ignored.items() if now - t <= within_s)
+    def wrong_key(self) -> dict[str, Any] | None:
+        """Senders signing with another key in the last minute, as a count and a hash (None: no key)."""
+        return self.env.wrong_key_view() if self.env is not None else None
 
     def release(self, request: Any) -> None:
         """Give ``request.reserved`` (its reserved decode slot) back, once: its decode leg ended."""
@@ -125,7 +133,7 @@ class LocalState:
         return None
 
 
-class RedisState(LocalState):
+class RedisState(ChannelsMixin, LocalState):
     """In-flight counts and run-time changes shared through one Redis server (see module doc)."""
 
     kind = "redis"
@@ -134,6 +142,8 @@ class RedisState(LocalState):
         super().__init__()
         self.conn, self.reserve_s, self.ns = conn, reserve_ms / 1000, conn.namespace
         self.env = Envelope(key, self.ns, self.replica_id)
+        self.configs = ConfigSync(self.env, self.ns)
+        self._peer_cv: dict[str, Version] = {}  # replica -> configuration version its signed heartbeat names
         self._replicas = 1
         self._last_sync = time.monotonic()
         self._tasks: list[asyncio.Task[None]] = []
@@ -144,6 +154,7 @@ class RedisState(LocalState):
         # replica -> (sequence, counts, vectors): the newest verified state of each other replica
         self._others: dict[str, tuple[int, dict[str, int], dict[str, dict[str, list[int]]]]] = {}
         self._flush_scheduled = False
+        self._bad_beat_logged = float("-inf")
         self._last_flush = float("-inf")  # loop time of the last counts message
 
     def _key(self, replica: str) -> str:
@@ -160,9 +171,14 @@ class RedisState(LocalState):
         import redis.asyncio as aioredis
 
         self._host = host
+        self.configs.joined_ms = int(time.time() * 1000)
         self._redis = aioredis.from_url(self.conn.url, **self.conn.client_kwargs())
         if self.reserve_s > 0:
-            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s)
+            env = self.env
+            assert env is not None
+            self.reserver = Reserver(self._redis, self.ns, self.replica_id, self.reserve_s,
+                                     peers=lambda: {o: c for o, (_, c, _) in self._others.items()},
+                                     on_ignored=lambda n: env.reject("reservation_range", n=n))
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._heartbeat_loop()), loop.create_task(self._subscribe_loop())]
         log.info("shared state", extra={"event": "state", "state": "redis", "replica": self.replica_id,
@@ -196,7 +212,8 @@ class RedisState(LocalState):
         """This replica's counts (and vectors, when a policy keeps some) as one signed message."""
         assert self.env is not None and self._host is not None
         workers = self._host.all_workers()
-        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers}}
+        payload: dict[str, Any] = {"c": {f"{w.role}|{w.url}": w.inflight for w in workers},
+                                   "cv": list(self.configs.version)}
         local = {**self.local_vectors, **self._host.local_vectors()}
         if local:
             keys = {w.id: f"{w.role}|{w.url}" for w in workers}
@@ -219,36 +236,67 @@ class RedisState(LocalState):
         except (TypeError, ValueError, AttributeError, KeyError):
             self.env.reject("malformed", origin=msg.origin)
             return None
+        cv = parse_version(msg.payload.get("cv"))
+        if cv is not None:
+            self._peer_cv[msg.origin] = cv
         have = self._others.get(msg.origin)
         if have is None or have[0] < msg.seq:  # a message newer than the heartbeat wins, and vice versa
             self._others[msg.origin] = (msg.seq, counts, vectors)
         return msg.origin
 
     async def sync_once(self) -> None:
-        """Publish this replica's counts and read the others' (one heartbeat)."""
-        assert self._host is not None and self._redis is not None
+        """Publish this replica's counts and read the others' (one heartbeat). Every read is tolerant
+        (:mod:`eldr_cli.proxy.replicas.reads`): a bad key or member is skipped, counted and cleared."""
+        assert self._host is not None and self._redis is not None and self.env is not None
         key, reg = self._key(self.replica_id), f"{self.ns}:replicas"
-        pipe = self._redis.pipeline(transaction=True)
+        pipe = self._redis.pipeline(transaction=False)
         pipe.set(key, self._sealed_counts(), px=TTL_MS).sadd(reg, self.replica_id).srandmember(reg, MAX_REPLICAS)
-        res = await pipe.execute()
-        others = sorted({m.decode() if isinstance(m, bytes) else str(m) for m in res[-1]} - {self.replica_id})
-        values = await self._redis.mget([self._key(o) for o in others]) if others else []
-        gone, live = [], set()
-        for o, v in zip(others, values, strict=True):
+        pipe.getrange(self.configs.key, 0, MAX_CONFIG_BYTES).pexpire(self.configs.key, CONFIG_TTL_MS)
+        res = await pipe.execute(raise_on_error=False)
+        if isinstance(res[0], Exception):
+            raise res[0]  # our own key cannot be written: Redis refuses us (the outage path)
+        bad_members: list[Any] = []
+        sample: list[Any] = []
+        if isinstance(res[1], Exception) or isinstance(res[2], Exception):
+            self.env.reject("wrong_type")  # the registry is not a set: replaced (we know the others anyway)
+            await self._redis.delete(reg)
+        else:
+            sample = list(res[2])
+        names = dict.fromkeys(self._others)  # verified replicas first: a flood of fake names cannot hide them
+        for m in sample:
+            name = replica_name(m)
+            if name is None:
+                self.env.reject("malformed")
+                bad_members.append(m)
+            elif name != self.replica_id and len(names) < 2 * MAX_REPLICAS:
+                names[name] = None
+        values = await read_heartbeats(self._redis, [self._key(o) for o in names if o in self._others],
+                                       [self._key(o) for o in names if o not in self._others],
+                                       MAX_VALUE_BYTES, NEW_NAMES_BUDGET)
+        live = set()
+        for o in names:
+            v = values.get(self._key(o))
             if v is None:
-                gone.append(o)  # expired: the replica stopped or died (or a name nobody writes)
-            elif self._accept_counts(v, replica=o) == o:
+                continue  # over this heartbeat's budget: read later
+            if isinstance(v, bytes) and v and self._accept_counts(v, replica=o) == o:
                 live.add(o)
-        if gone:
-            await self._redis.srem(reg, *gone)
-        if self.reserver is not None and (gone or int(time.monotonic()) != int(self._last_sync)):  # ~1/s
-            await self.reserver.cleanup()
+                continue
+            if isinstance(v, Exception):  # a wrong type or an oversized value under a replica's name
+                self.env.reject("oversized" if isinstance(v, ValueError) else "wrong_type")
+            bad_members.append(o)  # expired (stopped or died), garbage, or not verified: off the registry
+        if bad_members:
+            await self._redis.srem(reg, *bad_members)
+        if self.reserver is not None and int(time.monotonic()) != int(self._last_sync):  # ~1/s
+            await check_reserved(self._redis, self.reserver, self.env)
         self._others = {o: st for o, st in self._others.items() if o in live}
+        self._peer_cv = {o: v for o, v in self._peer_cv.items() if o in live}
+        self.configs.peer_max = max(self._peer_cv.values(), default=ZERO)
+        await self.configs.sync(self._redis, self._host, res[3])
         self._apply_remote()
         self._replicas = 1 + len(live)
         self._last_sync = time.monotonic()
         if self.in_outage:
-            self.in_outage = False
+            self.in_outage, self.outage_kind = False, None
             log.warning("shared state back: Redis answers again", extra={"event": "state", "to": "shared"})
 
     def _apply_remote(self) -> None:
@@ -286,20 +334,33 @@ class RedisState(LocalState):
         self._spawn_publish(self._sealed_counts(), self._counts_channel)
 
     def _on_counts(self, data: bytes) -> None:
+        if len(data) > MAX_VALUE_BYTES:
+            assert self.env is not None
+            self.env.reject("oversized")
+            return
         if self._accept_counts(data) is not None:
             self._apply_remote()
 
     def _failed(self, e: BaseException, *, outage: bool = True) -> None:
-        """A failed Redis operation. Only the heartbeat decides that Redis is unreachable (``outage``):
-        a publish or subscription that fails around the same time is the same outage, counted once."""
+        """A failed Redis operation. Only the heartbeat decides that Redis is unreachable or refusing this
+        replica (``outage``): a publish or subscription that fails around the same time is the same outage,
+        counted once. An error about one key's content is no outage: sharing goes on."""
         self.errors += 1
-        if not outage:
+        kind = outage_kind(e) if outage else None
+        if kind is None:
+            if outage and time.monotonic() - self._bad_beat_logged >= 60:  # at most once a minute
+                self._bad_beat_logged = time.monotonic()
+                log.warning("shared state: a heartbeat failed on bad content; sharing goes on",
+                            extra={"event": "state", "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return
         if not self.in_outage:
-            self.in_outage = True
+            self.in_outage, self.outage_kind = True, kind
             self.outages += 1
-            log.warning("shared state unreachable: routing on this replica's counts alone until Redis answers",
-                        extra={"event": "state", "to": "local", "error": f"{type(e).__name__}: {e}"})
+            what = "unreachable" if kind == "unreachable" else "refuses this replica (password, ACL or state)"
+            log.warning(f"Redis {what}: routing on this replica's counts alone until it answers again",
+                        extra={"event": "state", "to": "local", "outage": kind,
+                               "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        self.outage_kind = kind  # the latest says it best (a dropped connection, then a refused password)
         self._others = {}  # stale counts of other replicas would mislead the band
         self._apply_remote()
         self._replicas = 1
@@ -323,64 +384,3 @@ class RedisState(LocalState):
             except Exception as e:  # Redis down, refused password, timeouts, protocol errors: local routing
                 self._failed(e)
             await asyncio.sleep(HEARTBEAT_S)
-
-    # -- run-time changes -----------------------------------------------------------------------
-    def publish_change(self, action: str, body: dict[str, Any]) -> None:
-        if self._redis is None or self.env is None:
-            return
-        self._spawn_publish(self.env.seal(action, body), self._channel)
-
-    def _spawn_publish(self, msg: bytes, channel: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._publish(msg, channel))
-        self._tasks.append(task)
-        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
-
-    async def _publish(self, msg: bytes, channel: str) -> None:
-        try:
-            await asyncio.wait_for(self._redis.publish(channel, msg), timeout=1.0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._failed(e, outage=False)
-            if channel == self._channel:
-                log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
-                            extra={"event": "state", "error": str(e)})
-
-    async def _subscribe_loop(self) -> None:
-        while True:
-            pubsub = None
-            try:
-                pubsub = self._redis.pubsub()
-                await pubsub.subscribe(self._channel, self._counts_channel)
-                while True:
-                    m = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if m is None or m.get("type") != "message":
-                        continue
-                    ch = m["channel"].decode() if isinstance(m["channel"], bytes) else m["channel"]
-                    if ch == self._counts_channel:
-                        self._on_counts(m["data"])
-                    else:
-                        self._on_message(m["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._failed(e, outage=False)
-                await asyncio.sleep(HEARTBEAT_S)
-            finally:
-                if pubsub is not None:
-                    try:
-                        await pubsub.aclose()
-                    except Exception:
-                        pass
-
-    def _on_message(self, data: bytes) -> None:
-        """A run-time change from another replica: verified here, validated by the host like a local one."""
-        assert self.env is not None
-        msg = self.env.open(data, CHANGE_KINDS, change=True)
-        if msg is None:
-            return
-        if not isinstance(msg.payload, dict):
-            self.env.reject("malformed", origin=msg.origin)
-            return
-        if self._host is not None:
-            self._host.apply_remote_change(msg.kind, msg.payload)

@@ -1,0 +1,150 @@
+"""Reservation state that cannot lie (issue 28, item 3): the reservation counts in Redis are unsigned, so a
+replica counts a field only while that replica's signed heartbeat is fresh (a bare key is no heartbeat),
+only values in 0..MAX_IN_FLIGHT (others are ignored and counted), and the share of decisions forged slots
+can move is bounded by SLACK (measured here as the spread at the decoders). Real redis-server, real
+in-process proxies, stub decoders that hold their requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import redis as redis_py
+
+from eldr_cli.proxy import ProxyConfig, create_app
+from eldr_cli.proxy.replicas.redis_server import RedisServer
+from eldr_cli.proxy.replicas.reserve import MAX_IN_FLIGHT
+from eldr_cli.proxy.replicas.reserve import TRUST_MARGIN as SLACK
+from eldr_cli.testing.servers import ServerThread
+from eldr_cli.testing.stub_worker import StubWorker
+
+TOKEN = "twVifMMFRcu3cMI8JS-VhOZ9_r2DnlDjopCSJg_W_fo"  # strong enough to derive the state key
+
+
+@pytest.fixture(scope="module")
+def redis():
+    with RedisServer() as r:
+        yield r
+
+
+_db = iter(range(1, 16))
+
+
+@pytest.fixture
+def cluster(redis, tmp_path):
+    url = f"redis://{redis.host}:{redis.port}/{next(_db)}"
+    stubs = [StubWorker("p0")] + [StubWorker(f"d{i}", token_delay_s=0.05) for i in range(2)]
+    servers = [ServerThread(s).start() for s in stubs]
+    pre, dec = [servers[0].url], [s.url for s in servers[1:]]
+    reps = []
+    for i in range(2):
+        cfg = ProxyConfig(prefill=pre, decode=dec, policy="jsq", state=url, admin_token=TOKEN, health_interval_s=0,
+                          state_reserve_ms=1000.0, decision_log=str(tmp_path / f"dec{i}.jsonl")).validate()
+        app = create_app(cfg)
+        reps.append((app, ServerThread(app).start()))
+    r = redis_py.Redis.from_url(url)
+    (a, _), (b, _) = reps
+    assert _until(lambda: a.state.shared.live_replicas == 2 and b.state.shared.live_replicas == 2)
+    yield reps, stubs[1:], dec, r, a.state.shared.ns
+    for _, s in reps:
+        s.stop()
+    for s in servers:
+        s.stop()
+    r.close()
+
+
+def _until(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _stream(url, i, out, n=1, max_tokens=20):
+    for j in range(n):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": "m", "prompt": f"r{i}-{j}", "max_tokens": max_tokens, "stream": True}) as r:
+            for _ in r.iter_bytes():
+                pass
+            out.append(r.status_code)
+
+
+def _run(url, streams, per_stream, decoders, sample=None):
+    out: list = []
+    before = [d.stats["decode"] for d in decoders]
+    ts = [threading.Thread(target=_stream, args=(url, i, out, per_stream)) for i in range(streams)]
+    for t in ts:
+        t.start()
+    spreads = []
+    while any(t.is_alive() for t in ts):
+        spreads.append(abs(decoders[0].running - decoders[1].running))
+        time.sleep(0.02)
+    for t in ts:
+        t.join()
+    assert out == [200] * (streams * per_stream)
+    return [d.stats["decode"] - b for d, b in zip(decoders, before, strict=True)], max(spreads, default=0)
+
+
+def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster):
+    reps, decoders, dec, r, ns = cluster
+    (a, sa), _ = reps
+    r.hset(f"{ns}:reserved", f"zz|decode|{dec[0]}", 1_000_000)
+    r.set(f"{ns}:inflight:zz", "x")  # a bare key: no signed heartbeat
+    per, spread = _run(sa.url, 4, 10, decoders)
+    assert min(per) >= 10, per  # the issue: 40 of 40 went to d1
+    assert spread <= 2, spread
+    # the bare key does not keep the forged field alive: the next cleanup (about 1/s) removes it
+    assert _until(lambda: r.hget(f"{ns}:reserved", f"zz|decode|{dec[0]}") is None, 3)
+
+
+@pytest.mark.parametrize("value", ["nan", "-inf", "inf", "-5", "1.5", str(MAX_IN_FLIGHT + 1), "x"])
+def test_values_outside_the_range_are_ignored_and_counted(cluster, value):
+    reps, decoders, dec, r, ns = cluster
+    (a, sa), (b, _) = reps
+    field = f"{b.state.shared.replica_id}|decode|{dec[0]}"  # under a live replica's name
+    stop = threading.Event()
+
+    def keep_writing():  # B's own reservations and releases rewrite its field: the attacker keeps at it
+        while not stop.is_set():
+            r.hset(f"{ns}:reserved", field, value)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=keep_writing)
+    t.start()
+    try:
+        per, spread = _run(sa.url, 4, 6, decoders)
+    finally:
+        stop.set()
+        t.join()
+    assert min(per) >= 6 and spread <= 2, (per, spread)  # of 24
+    assert a.state.shared.rejected["reservation_range"] > 0
+
+
+def test_the_forged_share_is_bounded_by_the_slack(cluster):
+    """In-range forged slots under a live replica's name (the worst an attacker without the key can do):
+    d0 looks full in Redis, so decisions move to d1, but only while d1's signed load stays within SLACK of
+    d0's: the spread at the decoders stays <= SLACK + 1 at 16 concurrent streams."""
+    reps, decoders, dec, r, ns = cluster
+    (a, sa), (b, _) = reps
+    field = f"{b.state.shared.replica_id}|decode|{dec[0]}"
+    stop = threading.Event()
+
+    def keep_writing():
+        while not stop.is_set():
+            r.hset(f"{ns}:reserved", field, MAX_IN_FLIGHT)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=keep_writing)
+    t.start()
+    try:
+        per, spread = _run(sa.url, 16, 3, decoders)
+    finally:
+        stop.set()
+        t.join()
+    print(f"forged in-range slots under a live replica's name, 16 streams x 3: per decoder {per}, max spread {spread}")
+    assert spread <= SLACK + 1, (per, spread)
+    assert min(per) >= 48 * 0.25, per  # d0 still takes its share once d1 is SLACK ahead
