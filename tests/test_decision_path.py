@@ -22,6 +22,8 @@ from eldr_cli.routing import make_router
 from eldr_cli.testing.servers import ServerThread
 from eldr_cli.testing.stub_worker import StubWorker
 
+TOKEN = "0bq5mBSE3xkTq9ZzYlJbGRvFRp2sNLp0xWcJc1f2X9E"  # with --state, the admin token signs: 256 bits (issue 28)
+
 
 @pytest.fixture(scope="module")
 def redis():
@@ -53,7 +55,7 @@ def _one_replica(redis, tmp_path, policy, **cfg):
               [ServerThread(StubWorker(f"d{i}", token_delay_s=0.02)).start() for i in range(2)]
     routing = str(build_routing(tmp_path, decoders=2)) if policy != "jsq" else None
     conf = ProxyConfig(prefill=[servers[0].url], decode=[s.url for s in servers[1:]], policy=policy, routing=routing,
-                       state=url, admin_token="t", health_interval_s=0, state_reserve_ms=1000, **cfg).validate()
+                       state=url, admin_token=TOKEN, health_interval_s=0, state_reserve_ms=1000, **cfg).validate()
     app = create_app(conf)
     return url, app, ServerThread(app).start(), servers
 
@@ -104,14 +106,17 @@ def test_the_live_set_and_the_loads_hold_requests_waiting_on_a_slow_reservation(
 
 
 def test_decision_log_and_metrics_name_the_worker_the_reservation_moved_to(redis, tmp_path):
-    """Tampered reservation slots make d0 look full: JSQ's first choice is d0, every request goes to d1; the log
-    says d1 (the worker used) with d0 as 'first', and the decision counter counts d1."""
+    """Redis's exact counts make d0 look full (3 slots written into this replica's own field: since issue 28
+    another name's fields count only under a signed heartbeat, its own only within range): JSQ's first choice
+    is d0, every request goes to d1; the log says d1 (the worker used) with d0 as 'first', and the decision
+    counter counts d1."""
     log = tmp_path / "decisions.jsonl"
     url, app, srv, servers = _one_replica(redis, tmp_path, "jsq", decision_log=str(log))
     d0, d1 = (w.id for w in app.state.decode.workers)
     r = redis_py.Redis.from_url(url)
     try:
-        r.hset(f"{app.state.shared.ns}:reserved", f"attacker|decode|{app.state.decode.workers[0].url}", 3)
+        me = app.state.shared.replica_id
+        r.hset(f"{app.state.shared.ns}:reserved", f"{me}|decode|{app.state.decode.workers[0].url}", 3)
         out: list = []
         for i in range(3):
             _stream(srv.url, i, out)
