@@ -191,7 +191,7 @@ class ExchangeMixin(AppParts):
         self._hold(ctx, router, choice)  # in the live set and the worker's load before anything awaits
         try:
             # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)
-            choice, ctx.reserved = await reserve_decode(st, choice)
+            choice, ctx.reserved = await reserve_decode(st, choice, loads)
             if choice.worker != ctx.decode_index:
                 self._release_hold(ctx, router)
                 self._hold(ctx, router, choice)

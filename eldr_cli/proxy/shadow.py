@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import Decision, DecodeRouter
 from eldr_cli.routing.live import LiveDetail
@@ -209,10 +210,8 @@ class ShadowSet:
             return None
         if pred._dirty:
             pred._refresh()
-        const, kb, kt, m0, kv, kc, ka, roof = pred.terms
-        B = np.asarray(loads, dtype=np.float64)
-        mem = pred.mem if not roof else np.maximum(pred.mem, kc * B + ka * pred.ctx)
-        out: list[float] = ((const + kt * B + mem) * (B > 0)).tolist()
+        B = np.asarray(loads, dtype=np.float64)  # the one step formula, as eldr-live's own prediction uses it
+        out: list[float] = (step_ms_from_terms(pred.terms, pred.active, B, pred.ctx) * (B > 0)).tolist()  # type: ignore[no-untyped-call]
         return out
 
 

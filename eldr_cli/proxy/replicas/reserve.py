@@ -206,14 +206,18 @@ class Reserver:
             pass
 
 
-async def reserve_decode(state: ProxyState, choice: Decision) -> tuple[Decision, Slot | None]:
+async def reserve_decode(state: ProxyState, choice: Decision,
+                         loads: Sequence[int] | None = None) -> tuple[Decision, Slot | None]:
     """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
-    was reserved: a policy that does not reserve, reservation off, Redis down)."""
+    was reserved: a policy that does not reserve, reservation off, Redis down). ``loads``: those the decision
+    was made on (the proxy passes them: read now, they would hold the request itself on ``choice.worker`` and
+    widen the candidates by one)."""
     sh = state.shared
     rv = sh.reserver
     if rv is None:
         return choice, None
-    loads = state.decode.loads(state.cfg.scrape_metrics)
+    if loads is None:
+        loads = state.decode.loads(state.cfg.scrape_metrics)
     offer = None if sh.in_outage else state.router.reservation(choice, loads)
     if offer is None:
         rv.results["skipped"] += 1
