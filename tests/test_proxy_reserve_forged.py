@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import orjson
 import pytest
 import redis as redis_py
 
@@ -124,10 +125,12 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value):
     assert a.state.shared.rejected["reservation_range"] > 0
 
 
-def test_the_forged_share_is_bounded_by_the_slack(cluster):
+def test_the_forged_share_is_bounded_by_the_slack(cluster, tmp_path):
     """In-range forged slots under a live replica's name (the worst an attacker without the key can do):
-    d0 looks full in Redis, so decisions move to d1, but only while d1's signed load stays within SLACK of
-    d0's: the spread at the decoders stays <= SLACK + 1 at 16 concurrent streams."""
+    d0 looks full in Redis, so decisions move to d1, but only among the workers whose signed load was within
+    SLACK of the least when the decision was made: checked on every decision in A's log (the loads it decided
+    on, the worker used). The decoders' running counts are printed, not asserted: they lag the proxy's counts
+    by the requests in transit, which depends on the machine's speed (CI once saw 6 there)."""
     reps, decoders, dec, r, ns = cluster
     (a, sa), (b, _) = reps
     field = f"{b.state.shared.replica_id}|decode|{dec[0]}"
@@ -145,6 +148,14 @@ def test_the_forged_share_is_bounded_by_the_slack(cluster):
     finally:
         stop.set()
         t.join()
-    print(f"forged in-range slots under a live replica's name, 16 streams x 3: per decoder {per}, max spread {spread}")
-    assert spread <= SLACK + 1, (per, spread)
+    a.decision_log.flush()
+    rows = [orjson.loads(line) for line in (tmp_path / "dec0.jsonl").read_bytes().splitlines()]
+    over = [row["loads"] for row in rows if row["loads"][row["chosen"]] > min(row["loads"]) + SLACK]
+    moved = sum(row["chosen"] == 1 and row["loads"][1] > row["loads"][0] for row in rows)
+    print(f"forged in-range slots under a live replica's name, 16 streams x 3: per decoder {per}, decisions moved "
+          f"off the least loaded {moved}, largest spread at the decoders {spread}")
+    assert len(rows) == 48
+    assert moved > 0  # the forged slots do steer (else this test would show nothing) ...
+    late = a.state.shared.reserver.results["timeout"]  # a late answer: the least loaded of that moment instead
+    assert len(over) <= late, (over, late)  # ... but never beyond SLACK over the least signed load
     assert min(per) >= 48 * 0.25, per  # d0 still takes its share once d1 is SLACK ahead
