@@ -70,12 +70,12 @@ def test_the_live_set_and_the_loads_hold_requests_waiting_on_a_slow_reservation(
     pol = app.state.router.policy
     orig, rank = rv.choose, pol.rank
 
-    async def slow_choose(cands, slack=0):  # a slow Redis: held until the test opens the gate (bounded)
+    async def slow_choose(cands, slack=0, costs=None):  # a slow Redis: held until the test opens the gate (bounded)
         for _ in range(1000):
             if gate.is_set():
                 break
             await asyncio.sleep(0.01)
-        return await orig(cands, slack)
+        return await orig(cands, slack, costs)
 
     def spy_rank(loads, *a, **kw):  # the loads each decision sees
         seen.append(list(loads))

@@ -24,10 +24,11 @@ in ELDR; the cap bounds how uneven batches may get (the tail). B_d are the loads
 Replicas share the live set as integer counts per (decoder, prototype) plus context tokens
 (:meth:`EldrLivePolicy.export_state` / :meth:`EldrLivePolicy.merge_state`), which sum across replicas.
 
-The ranking it returns holds the predicted costs and the load cap (slack): the replicas' reservation tries its
-choice, then the other decoders within the cap, then the rest, each by predicted cost (``Ranking.preference``),
-and Redis reserves the first whose slots over all replicas are within the slack of the least, so the cap is
-enforced on exact counts rather than on this replica's stale view of the others.
+The ranking it returns holds the predicted costs, their growth per request in flight that the loads left out
+(``d cost / d B = T1 - T + kt``) and the load cap (slack): the replicas' reservation redoes this rule on Redis's
+exact counts (the least ``cost + (exact - seen) * growth`` among the decoders within the cap of the least
+reserved, ties within ``COST_TIE`` to fewer in flight), so that neither the cap nor the ranking rests on this
+replica's stale view of the others' requests.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class EldrLivePolicy(Policy):
         C = self.ctx
         # each decoder's next step without and with the request (its expected new experts and its context),
         # by the one step formula the simulator and the replay use
-        T = step_ms_from_terms(self.terms, self.active, B, C) * (B > 0)  # an idle decoder runs no step
+        Tb = step_ms_from_terms(self.terms, self.active, B, C)
+        T = Tb * (B > 0)  # an idle decoder runs no step
         T1 = step_ms_from_terms(self.terms, self.active + self.q @ self.act[m], B + 1, C + c_new)
         cost = T1 + B * (T1 - T)
         lo = min(ld)
@@ -142,7 +144,11 @@ class EldrLivePolicy(Policy):
         least = min(cl[k] for k in cand)
         best = least * (1 + tie)
         w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
-        return Ranking(w, slack=slack, predicted_ms=cost, detail=LiveDetail(m, c_new))
+        # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
+        # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
+        # Redis's exact counts)
+        growth = T1 - Tb + self.terms[2]
+        return Ranking(w, slack=slack, predicted_ms=cost, detail=LiveDetail(m, c_new), growth_ms=growth, tie=tie)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

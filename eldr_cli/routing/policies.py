@@ -54,7 +54,10 @@ class Ranking:
     ``slack``: the load cap over the least loaded that the replicas' reservation may allow (None: the policy
     does not reserve; its choice stands); ``candidates``: the workers the reservation may choose among, in order
     of preference (None: every worker, by ``predicted_ms`` within the cap, then the rest); ``detail``: what the
-    policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens).
+    policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens);
+    ``growth_ms`` (with ``predicted_ms``): how much each worker's predicted cost grows per request in flight
+    there that the decision's loads left out, so that the reservation can redo the decision on Redis's exact
+    counts (``predicted_ms + (exact - seen) * growth_ms``, ties within ``tie`` to fewer in flight).
     """
 
     first: int
@@ -64,6 +67,8 @@ class Ranking:
     band: np.ndarray | None = None          # worker indices inside the locality band
     predicted_ms: np.ndarray | None = None  # [K] predicted cost per candidate (eldr-live)
     detail: Any = None
+    growth_ms: np.ndarray | None = None  # [K] predicted cost's growth per request the decision did not see
+    tie: float = 0.0                     # costs within this fraction of the least are ties (fewer in flight wins)
 
     def preference(self, worker: int, loads: Sequence[int]) -> list[int]:
         """The reservation's candidates in order of preference when the decision is ``worker`` (the first

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -48,6 +48,20 @@ class Decision:
 
 
 SignatureFn = Callable[[Any, Any], "np.ndarray | None"]
+
+
+class Offer(NamedTuple):
+    """The replicas' reservation's choice for one decision: ``order`` (worker indices, in order of preference)
+    and ``slack`` (the load cap over the least reserved, on Redis's exact counts); with a cost-aware policy,
+    each candidate's predicted cost and its growth per request the decision's loads left out (in ``order``),
+    and the tie fraction: then Redis takes the least ``cost + (exact - seen) * growth`` within the cap, which
+    is the policy's own rule redone on exact counts; without them, the first in order within the cap."""
+
+    order: list[int]
+    slack: int
+    cost: list[float] | None = None
+    growth: list[float] | None = None
+    tie: float = 0.0
 
 
 class DecodeRouter:
@@ -136,13 +150,17 @@ class DecodeRouter:
     def on_finish(self, worker: int, key: Any) -> None:
         self._policy.on_finish(worker, key)
 
-    def reservation(self, decision: Decision, loads) -> tuple[list[int], int] | None:
-        """The candidates (in order of preference) and the load cap (slack over the least reserved) the replicas'
-        reservation may choose among for ``decision``; None when the policy does not reserve (its choice stands)."""
+    def reservation(self, decision: Decision, loads) -> Offer | None:
+        """What the replicas' reservation may do with ``decision`` (an :class:`Offer`); None when the policy does
+        not reserve (its choice stands)."""
         r = decision.ranking
         if r is None or r.slack is None:
             return None
-        return r.preference(decision.worker, loads), r.slack
+        order = r.preference(decision.worker, loads)
+        if r.predicted_ms is None or r.growth_ms is None:
+            return Offer(order, r.slack)
+        cost, growth = r.predicted_ms.tolist(), r.growth_ms.tolist()
+        return Offer(order, r.slack, [cost[k] for k in order], [growth[k] for k in order], r.tie)
 
     def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
         if self._signature_of is None:

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
@@ -69,9 +69,25 @@ for j = 1, ncand do
   load[j] = n
   if least == nil or n < least then least = n end
 end
-local best = 1
-for j = 1, ncand do
-  if load[j] <= least + slack then best = j break end
+local e0 = k0 + nrep * ncand
+local best = nil
+if #ARGV > e0 then  -- the policy's own rule on the exact counts: least cost + (exact - seen) * growth
+  local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
+  for j = 1, ncand do
+    if load[j] <= least + slack then
+      local c, g, s = tonumber(ARGV[e0 + j]), tonumber(ARGV[e0 + ncand + j]), tonumber(ARGV[e0 + 2 * ncand + j])
+      adj[j] = c + (load[j] - s) * g
+      if lo == nil or adj[j] < lo then lo = adj[j] end
+    end
+  end
+  local lim = lo + math.abs(lo) * tie
+  for j = 1, ncand do
+    if adj[j] and adj[j] <= lim and (best == nil or load[j] < load[best]) then best = j end
+  end
+else  -- the first in the policy's order within the slack of the least
+  for j = 1, ncand do
+    if load[j] <= least + slack then best = j break end
+  end
 end
 local own = ARGV[1] .. '|' .. ARGV[c0 + best - 1]
 local x = tonumber(redis.call('HGET', KEYS[1], own) or '0')
@@ -107,6 +123,16 @@ return n
 """
 
 
+class Costs(NamedTuple):
+    """A cost-aware policy's rule for the reservation, per candidate: predicted cost, its growth per slot the
+    decision's loads left out, those loads (``seen``); ``tie``: costs within this fraction are ties."""
+
+    cost: list[float]
+    growth: list[float]
+    seen: list[int]
+    tie: float
+
+
 @dataclass
 class Slot:
     """A reserved decode slot: the worker key, and the late reservation still on its way (if any)."""
@@ -132,16 +158,21 @@ class Reserver:
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self._bg: set[asyncio.Task[Any]] = set()
 
-    async def choose(self, cands: Sequence[str], slack: int = 0) -> tuple[int | None, asyncio.Task[Any] | None]:
-        """(index into ``cands`` of the reserved worker, None) in time: the first candidate whose slots over
-        all replicas are within ``slack`` of the least (0: the least reserved, ties in order); (None, the
+    async def choose(self, cands: Sequence[str], slack: int = 0,
+                     costs: Costs | None = None) -> tuple[int | None, asyncio.Task[Any] | None]:
+        """(index into ``cands`` of the reserved worker, None) in time: among the candidates whose slots over all
+        replicas are within ``slack`` of the least, the first (0: the least reserved, ties in order), or with
+        ``costs`` the least ``cost + (slots - seen) * growth`` (ties within ``tie`` to fewer slots); (None, the
         pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
         (None, None) on errors."""
         peers = self._peers()
         reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
         caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
+        extra = [] if costs is None else [repr(float(costs.tie)), *map(repr, costs.cost), *map(repr, costs.growth),
+                                          *costs.seen]
         task = asyncio.get_running_loop().create_task(self._select(
-            keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps]))
+            keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps,
+                                   *extra]))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
@@ -222,15 +253,19 @@ async def reserve_decode(state: ProxyState, choice: Decision,
     if offer is None:
         rv.results["skipped"] += 1
         return choice, None
-    order, slack = offer
     workers = state.decode.workers
-    band = [k for k in order if workers[k].healthy]
+    slack = offer.slack
+    band = [j for j, k in enumerate(offer.order) if workers[k].healthy]
     if not band:
         return choice, None
-    least = min(loads[k] for k in band)
-    cands = [workers[k] for k in band if loads[k] <= least + slack + TRUST_MARGIN or k == choice.worker]
+    least = min(loads[offer.order[j]] for j in band)
+    pos = [j for j in band if loads[offer.order[j]] <= least + slack + TRUST_MARGIN or offer.order[j] == choice.worker]
+    cands = [workers[offer.order[j]] for j in pos]
     keys = [f"{w.role}|{w.url}" for w in cands]
-    i, late = await rv.choose(keys, slack)
+    costs = None if offer.cost is None or offer.growth is None else Costs(
+        [offer.cost[j] for j in pos], [offer.growth[j] for j in pos], [int(loads[offer.order[j]]) for j in pos],
+        offer.tie)
+    i, late = await rv.choose(keys, slack, costs)
     cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
         return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])
