@@ -136,6 +136,42 @@ def test_decision_log_and_metrics_name_the_worker_the_reservation_moved_to(redis
             s.stop()
 
 
+def test_a_reservation_naming_a_worker_that_left_is_decided_locally_and_counted(redis, tmp_path):
+    """The reservation answers d0, but d0 was removed (admin API) while Redis was asked: the request goes to the
+    worker left in the pool (the local decision on the pool of now; d0's old position would now name another
+    worker or none), the answer is counted as departed, and its slot in Redis is given back."""
+    url, app, srv, servers = _one_replica(redis, tmp_path, "jsq")
+    d0, d1 = app.state.decode.workers
+    rv = app.state.shared.reserver
+    orig = rv.choose
+
+    async def choose_then_remove(cands, slack=0, costs=None):
+        i, late = await orig(cands, slack, costs)
+        assert cands[i].endswith(d0.url)  # Redis chose d0 (all empty: the first in order) ...
+        async with httpx.AsyncClient() as c:  # ... which leaves the pool before the answer is used
+            r = await c.post(srv.url + "/admin/workers", json={"action": "remove", "role": "decode", "url": d0.url},
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200, r.text
+        return i, late
+
+    rv.choose = choose_then_remove
+    r = redis_py.Redis.from_url(url)
+    try:
+        out: list = []
+        _stream(srv.url, 0, out)
+        assert out == [(200, d1.id)]
+        assert rv.results["departed"] == 1 and rv.results["ok"] == 0
+        assert servers[1].app.stats["decode"] == 0 and servers[2].app.stats["decode"] == 1
+        assert _until(lambda: not r.hgetall(f"{app.state.shared.ns}:reserved"), 3)  # the slot given back
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'eldr_proxy_state_reservations_total{result="departed"} 1.0' in text
+    finally:
+        r.close()
+        srv.stop()
+        for s in servers:
+            s.stop()
+
+
 def test_four_replicas_summed_live_sets_equal_one_proxys_after_any_sequence(tmp_path):
     """Dispatches, retries (a move to another decoder), cancels and finishes in random order, spread over 4
     replicas, against one router that sees every event: after merging, each replica's view equals the one's."""

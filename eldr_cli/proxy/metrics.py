@@ -79,7 +79,7 @@ class _LiveCollector:
         yield c
         if sh.reserver is not None:
             c = CounterMetricFamily("eldr_proxy_state_reservations", "Atomic decode-slot reservations in Redis "
-                                    "(timeout/error/skipped: decided locally)", labels=["result"])
+                                    "(timeout/error/skipped/departed: decided locally)", labels=["result"])
             for result, n in sh.reserver.results.items():
                 c.add_metric([result], n)
             yield c

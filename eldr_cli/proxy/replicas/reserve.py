@@ -41,7 +41,7 @@ log = logging.getLogger("eldr.proxy.state")
 
 TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's slack + TRUST_MARGIN
 MAX_IN_FLIGHT = 1024  # a replica's reserved slots on one worker (its connection cap): more is forged
-RESULTS = ("ok", "timeout", "error", "skipped")
+RESULTS = ("ok", "timeout", "error", "skipped", "departed")  # departed: the answer named a worker that left
 
 _SELECT = """
 local slack = tonumber(ARGV[2]) or 0
@@ -265,6 +265,7 @@ async def reserve_decode(state: ProxyState, choice: Decision,
     costs = None if offer.cost is None or offer.growth is None else Costs(
         [offer.cost[j] for j in pos], [offer.growth[j] for j in pos], [int(loads[offer.order[j]]) for j in pos],
         offer.tie)
+    mine = workers[choice.worker]
     i, late = await rv.choose(keys, slack, costs)
     cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
@@ -273,6 +274,11 @@ async def reserve_decode(state: ProxyState, choice: Decision,
         up = [w for w in cands if w in cur] or [w for w in cur if w.healthy] or cur
         w = min(up, key=lambda w: w.load(state.cfg.scrape_metrics))
         return dataclasses.replace(choice, worker=cur.index(w)), rv.late_slot(late, keys, f"{w.role}|{w.url}")
-    if i is not None:
+    if i is not None:  # the answer names a worker that left the pool meanwhile: its slot back, decided locally
+        rv.results["ok"] -= 1
+        rv.results["departed"] += 1
         rv.release(Slot(keys[i]))
-    return choice, None
+    if mine in cur:  # the local decision, on the pool of now (positions shift when a worker leaves)
+        return dataclasses.replace(choice, worker=cur.index(mine)), None
+    up = [w for w in cur if w.healthy] or cur
+    return dataclasses.replace(choice, worker=cur.index(min(up, key=lambda w: w.load(state.cfg.scrape_metrics)))), None
