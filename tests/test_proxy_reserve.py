@@ -171,6 +171,45 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
         r.close()
 
 
+def test_with_costs_redis_redoes_the_rule_on_exact_counts(cluster):
+    """A cost-aware offer (eldr-live's): among the workers within the slack of the least reserved, Redis takes the
+    least predicted cost corrected by its growth for each slot the decision's loads did not see; without costs,
+    the first in order within the slack. Slots written in this replica's own fields (exact counts)."""
+    from eldr_cli.proxy.replicas.reserve import Costs
+
+    url, reps, _, dec = cluster
+    (a, sa), _ = reps
+    rv = a.state.shared.reserver
+    keys = [f"decode|{u}" for u in dec] + ["decode|http://127.0.0.1:9"]  # a third worker: only its key matters
+    r = redis_py.Redis.from_url(url)
+    me, ns = a.state.shared.replica_id, a.state.shared.ns
+
+    def pick(slots, costs=None, slack=2):
+        r.delete(f"{ns}:reserved")
+        for k, n in zip(keys, slots, strict=True):
+            if n:
+                r.hset(f"{ns}:reserved", f"{me}|{k}", n)
+        i, late = sa.call(rv.choose(keys, slack, costs))
+        assert late is None
+        return i
+
+    try:
+        cheap_first = Costs([1.0, 1.5, 1.6], [1.0, 0.1, 0.1], [0, 0, 0], 0.0)
+        # the decision saw 0 everywhere; Redis has 2 on worker 0: 1.0 + 2 x 1.0 = 3.0 > 1.5, so worker 1
+        assert pick([2, 0, 0], cheap_first) == 1
+        assert pick([2, 0, 0]) == 0  # the old rule: the first within the slack, whatever it costs now
+        # the decision had seen those 2 slots (seen = 2): its cost stands and worker 0 is still the cheapest
+        assert pick([2, 0, 0], cheap_first._replace(seen=[2, 0, 0])) == 0
+        # the cap: 3 slots on worker 0 are over the least (0) + slack 2, however cheap it looks
+        assert pick([3, 0, 0], cheap_first._replace(seen=[3, 0, 0])) == 1
+        # ties (within `tie` of the least) go to fewer slots: 1.5 and 1.6 tie at 10%, worker 2 holds none
+        assert pick([3, 1, 0], cheap_first._replace(seen=[3, 1, 0], tie=0.1)) == 2
+        assert pick([3, 1, 0], cheap_first._replace(seen=[3, 1, 0])) == 1
+    finally:
+        r.delete(f"{ns}:reserved")
+        r.close()
+
+
 def test_eldr_live_replicas_see_each_others_live_sets(redis, tmp_path):
     """eldr-live's per-decoder vectors ride the signed counts: replica B's view of the others plus its own
     equals what one proxy holding every request would hold."""

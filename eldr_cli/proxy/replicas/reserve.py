@@ -4,8 +4,9 @@ Replicas that read the same stale loads pick the same "least loaded" decoder: wi
 one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
 (``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
 round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
-replicas and to reserve it (a policy with a preference order, eldr-live, passes its candidates in that
-order and a slack: the first whose slots are within the slack of the least); the slot is released when
+replicas and to reserve it (a policy with a slack: among the candidates whose slots are within the slack
+of the least, the first in the policy's order, or, with costs (eldr-live), the least predicted cost
+corrected by its growth for each slot the decision's loads did not see); the slot is released when
 the decode leg ends. If Redis has not answered within the deadline (``--state-reserve-ms``, default
 50), the local decision stands, and the late answer's slot is moved to the worker actually used (so the
 counts in Redis stay complete).
