@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import polars as pl
@@ -86,8 +87,9 @@ def cluster(tmp_path_factory):
 def _sweep_and_simulate(d: Path, proxy: str, common: list[str], sweep_only: tuple = ()) -> tuple[dict, dict]:
     """`bench sweep` through the proxy of the emulated cluster in d and `bench simulate` of the same
     trace, cost model and fit with the same ``common`` arguments -> (emulated summary, simulated summary)."""
-    rc = run(["bench", "sweep", "--url", proxy, "--admin-token", "t0ken", "--cluster", str(d / "cluster.json"),
-              "--out", str(d / "emulated"), "--no-live", *sweep_only, *common])
+    with mock.patch.dict(os.environ, {"ELDR_ADMIN_TOKEN": "t0ken"}):  # never a secret on the command line
+        rc = run(["bench", "sweep", "--url", proxy, "--cluster", str(d / "cluster.json"),
+                  "--out", str(d / "emulated"), "--no-live", *sweep_only, *common])
     assert rc == 0
     rc = run(["bench", "simulate", "--trace", str(d / "trace"), "--cost-model", str(d / "cost"), "--routing",
               str(d / "fit"), "--prefill", "2", "--decode", "4", "--out", str(d / "simulated"), *common])

@@ -44,6 +44,9 @@ USAGE = {
     "missing-argument": (["inspect"], "Missing argument 'path'"),
     "missing-required": (["fit", "--trace", "x"], "Missing option '--decoders'"),
     "bench-unknown": (["bench", "nope"], "No such command 'nope'"),
+    # issue 28: no secret as a command-line value, on the client side too
+    "sweep-token-on-command-line": (["bench", "sweep", "--url", "http://127.0.0.1:9", "--admin-token", "x"],
+                                    "--admin-token VALUE puts the token on the command line"),
 }
 
 
@@ -514,10 +517,11 @@ def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, inte
     ws = tmp_path / "ws"
     shutil.copytree(workspace, ws, symlinks=True)
     argv = [sys.executable, "-m", "eldr_cli", "bench", "sweep", "--url", c.url, "--prompts", "trace",
-            "--routers", "round-robin,p2c", "--admin-token", "secret", "--rates", "4",
+            "--routers", "round-robin,p2c", "--rates", "4",
             "--duration", "30" if interrupt else "1", "--warmup", "0", "--max-tokens", "4", "--out", "sweep",
             "--no-live"]
-    p = subprocess.Popen(argv, cwd=ws, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(argv, cwd=ws, env={**ENV, "ELDR_ADMIN_TOKEN": "secret"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     if interrupt:
         t0 = time.monotonic()
         while c.app.state.policy_name == "jsq" and time.monotonic() - t0 < 60:

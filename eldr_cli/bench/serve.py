@@ -56,7 +56,7 @@ def _admin_call(url: str, token: str | None, body: dict | None = None) -> dict:
 
     if not token:
         raise EldrError("switching routers needs the proxy's admin token",
-                        hint="pass --admin-token or set ELDR_ADMIN_TOKEN (the one serve-proxy was started with)")
+                        hint="set ELDR_ADMIN_TOKEN or pass --admin-token-file (the token serve-proxy was started with)")
     path = "/admin/workers" if body is None else "/admin/policy"
     req = urllib.request.Request(base_url(url) + path, method="GET" if body is None else "POST",
                                  data=None if body is None else json.dumps(body).encode(),
@@ -66,7 +66,8 @@ def _admin_call(url: str, token: str | None, body: dict | None = None) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         raise EldrError(f"the proxy answered {path} with HTTP {e.code}: {e.read()[:300]!r}",
-                        hint="check --admin-token (the one serve-proxy was started with)") from None
+                        hint="check ELDR_ADMIN_TOKEN or --admin-token-file (the token serve-proxy was "
+                             "started with)") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise EldrError(f"cannot reach the proxy admin endpoint at {url}: {e}") from None
 
@@ -104,7 +105,7 @@ async def _switch_policy(session, url: str, router: str, tau: float | None, toke
 
     if not token:
         raise EldrError("switching routers needs the proxy's admin token",
-                        hint="pass --admin-token or set ELDR_ADMIN_TOKEN (the one serve-proxy was started with)")
+                        hint="set ELDR_ADMIN_TOKEN or pass --admin-token-file (the token serve-proxy was started with)")
     body: dict[str, Any] = {"policy": router}
     if tau is not None:
         body["tau"] = tau
@@ -115,7 +116,8 @@ async def _switch_policy(session, url: str, router: str, tau: float | None, toke
             text = await r.text()
             if r.status != 200:
                 raise EldrError(f"the proxy refused policy {router!r} (HTTP {r.status}): {text[:300]}",
-                                hint="check --admin-token and that the proxy has a routing artifact for eldr/domain")
+                                hint="check ELDR_ADMIN_TOKEN or --admin-token-file and that the proxy has a routing "
+                                     "artifact for eldr/domain")
             return json.loads(text)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise EldrError(f"cannot reach the proxy admin endpoint at {url}: {e}") from None

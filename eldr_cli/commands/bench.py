@@ -91,7 +91,12 @@ def sweep_cmd(
     out: Path = typer.Option(Path("artifacts/bench-sweep"), "--out"),
     routers: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr", "--routers"),
     tau: Optional[float] = tau_option(help="ELDR band width (default: the routing artifact's)."),
-    admin_token: Optional[str] = typer.Option(None, "--admin-token", envvar="ELDR_ADMIN_TOKEN"),
+    admin_token: Optional[str] = typer.Option(None, "--admin-token",
+                                              help="Refused (a command line is visible to every user): set "
+                                                   "$ELDR_ADMIN_TOKEN or use --admin-token-file."),
+    admin_token_file: Optional[str] = typer.Option(None, "--admin-token-file",
+                                                   help="File (mode 600) with the proxy's admin token (or "
+                                                        "$ELDR_ADMIN_TOKEN)."),
     rates: str = RATES, duration: float = DURATION, warmup: float = WARMUP, max_tokens: int = MAX_TOKENS,
     burstiness: float = BURST, seed: int = SEED,
     timeout: float = TIMEOUT,
@@ -107,14 +112,21 @@ def sweep_cmd(
 ) -> None:
     """Same rates for several decode routers on one worker pool (switched via the proxy's /admin/policy);
     one table with % change vs round-robin and vs the best load balancer; Fig. 11 (and Fig. 13 if emulated)."""
+    from eldr_cli.errors import EldrError
+    from eldr_cli.proxy.config import ADMIN_TOKEN_ENV, refuse_command_line_secrets
+
+    refuse_command_line_secrets(admin_token, None)  # visible to every user through `ps`
     names = [r.strip() for r in routers.split(",") if r.strip()]
     if not names:
-        from eldr_cli.errors import EldrError
-
         raise EldrError("--routers is empty")
+    token = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if admin_token_file is not None:
+        from eldr_cli.proxy.replicas.auth import read_secret_file
+
+        token = read_secret_file(admin_token_file, "--admin-token-file").decode().strip()
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, True,
                   ignore_eos, model, mode, cluster, split, live, label, routers=names, tau=tau,
-                  admin_token=admin_token, force=force, wide=wide)
+                  admin_token=token, force=force, wide=wide)
 
 
 @bench_app.command("simulate")
