@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from eldr_cli.proxy.replicas.auth import REASONS
+
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
@@ -72,8 +74,8 @@ class _LiveCollector:
         c = CounterMetricFamily("eldr_proxy_state_outages", "Times the shared state became unreachable")
         c.add_metric([], sh.outages)
         yield c
-        c = CounterMetricFamily("eldr_proxy_state_rejected", "Shared-state messages ignored (unsigned, bad "
-                                "signature, malformed, stale, replayed)", labels=["reason"])
+        c = CounterMetricFamily("eldr_proxy_state_rejected", "Shared-state messages and values ignored, by "
+                                f"reason ({', '.join(REASONS)})", labels=["reason"])
         for reason, n in sh.rejected.items():
             c.add_metric([reason], n)
         yield c
