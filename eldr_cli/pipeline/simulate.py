@@ -78,10 +78,10 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     from eldr_cli.bench.workload import load_prompts
     from eldr_cli.costmodel import CostModel
     from eldr_cli.routing import RoutingModel
+    from eldr_cli.routing.registry import check_policy
 
     for r in routers:
-        if r not in SIM_POLICIES:
-            raise EldrError(f"unknown router {r!r}; expected one of {', '.join(SIM_POLICIES)}")
+        check_policy(r)  # the registry's one message
     if n_prefill < 1 or n_decode < 1 or max_tokens < 1:
         raise EldrError("--prefill, --decode and --max-tokens must be >= 1")
     cost = CostModel.load(cost_model)

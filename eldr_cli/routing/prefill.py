@@ -1,14 +1,37 @@
 """Prefill selection: PrefixHash with a least-loaded fallback, the proxy's and the simulator's one prefill
 policy. ``choose`` takes any pool whose ``workers`` have ``healthy``, ``salt`` (a per-worker hash salt) and
-``load()``; the proxy passes its :class:`eldr_cli.proxy.workers.WorkerPool`."""
+``load()``: the proxy passes its :class:`eldr_cli.proxy.workers.WorkerPool`, the simulator
+:class:`PrefillSlots` (the same salts, no connections)."""
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from eldr_cli.proxy.workers import Worker, WorkerPool
+    from eldr_cli.proxy.workers import WorkerPool
+
+
+@dataclass
+class PrefillSlot:
+    """A prefill worker as :class:`PrefixHashPrefill` sees it: its hash salt, health and requests in flight."""
+
+    id: str
+    salt: int
+    inflight: int = 0
+    healthy: bool = True
+
+    def load(self) -> int:
+        return self.inflight
+
+
+class PrefillSlots:
+    """``n`` prefill workers for the simulator, salted as the proxy salts its pool's (ids p0, p1, ...), so a
+    prompt meets the same prefill position in both."""
+
+    def __init__(self, n: int):
+        self.workers = [PrefillSlot(f"p{i}", zlib.crc32(f"p{i}".encode())) for i in range(n)]
 
 
 def prompt_key(body: dict[str, Any], chat: bool) -> str:
@@ -43,7 +66,7 @@ class PrefixHashPrefill:
         self.span = max(1, block_chars * blocks)
         self.overload = overload
 
-    def choose(self, pool: WorkerPool, key: str, exclude: Worker | None = None) -> Worker | None:
+    def choose(self, pool: WorkerPool | PrefillSlots, key: str, exclude: Any = None) -> Any:
         cands = [w for w in pool.workers if w.healthy and w is not exclude]
         if not cands:
             cands = [w for w in pool.workers if w is not exclude]  # all down: try anyway

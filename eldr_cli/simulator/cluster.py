@@ -23,15 +23,14 @@ from eldr_cli.routing import DecodeRouter, make_router
 
 
 def _prefill_chooser(n_prefill: int):
-    """The proxy's PrefixHash prefill choice over simulated workers."""
+    """The proxy's PrefixHash prefill choice (its default block size, blocks and overload factor) over
+    simulated prefill workers."""
     from eldr_cli.proxy.config import ProxyConfig
-    from eldr_cli.proxy.workers import WorkerPool
-    from eldr_cli.routing.prefill import PrefixHashPrefill
+    from eldr_cli.routing.prefill import PrefillSlots, PrefixHashPrefill
 
     cfg = ProxyConfig()
-    pool = WorkerPool("prefill", [f"http://sim-prefill-{i}" for i in range(n_prefill)])
     chooser = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
-    return pool, chooser
+    return PrefillSlots(n_prefill), chooser
 
 
 class _PrefillCost:
