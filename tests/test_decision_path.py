@@ -106,10 +106,10 @@ def test_the_live_set_and_the_loads_hold_requests_waiting_on_a_slow_reservation(
 
 
 def test_decision_log_and_metrics_name_the_worker_the_reservation_moved_to(redis, tmp_path):
-    """Redis's exact counts make d0 look full (3 slots written into this replica's own field: since issue 28
-    another name's fields count only under a signed heartbeat, its own only within range): JSQ's first choice
-    is d0, every request goes to d1; the log says d1 (the worker used) with d0 as 'first', and the decision
-    counter counts d1."""
+    """Redis's counts make d0 look busier (3 slots written into this replica's own field, which count as the
+    slots it holds there plus its reservations on their way: 1; since issue 28 another name's fields count only
+    under a signed heartbeat): JSQ's first choice is d0 (slack 0), every request goes to d1; the log says d1 (the
+    worker used) with d0 as 'first', and the decision counter counts d1."""
     log = tmp_path / "decisions.jsonl"
     url, app, srv, servers = _one_replica(redis, tmp_path, "jsq", decision_log=str(log))
     d0, d1 = (w.id for w in app.state.decode.workers)

@@ -174,23 +174,35 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
 def test_with_costs_redis_redoes_the_rule_on_exact_counts(cluster):
     """A cost-aware offer (eldr-live's): among the workers within the slack of the least reserved, Redis takes the
     least predicted cost corrected by its growth for each slot the decision's loads did not see; without costs,
-    the first in order within the slack. Slots written in this replica's own fields (exact counts)."""
-    from eldr_cli.proxy.replicas.reserve import Costs
+    the first in order within the slack. The slots are real reservations of this replica (a value forged into
+    its own field counts only up to the slots it holds: the last case)."""
+    from eldr_cli.proxy.replicas.reserve import Costs, Slot
 
     url, reps, _, dec = cluster
     (a, sa), _ = reps
     rv = a.state.shared.reserver
     keys = [f"decode|{u}" for u in dec] + ["decode|http://127.0.0.1:9"]  # a third worker: only its key matters
     r = redis_py.Redis.from_url(url)
-    me, ns = a.state.shared.replica_id, a.state.shared.ns
+    ns = a.state.shared.ns
 
-    def pick(slots, costs=None, slack=2):
-        r.delete(f"{ns}:reserved")
+    async def release(slots):
+        for k in slots:
+            rv.release(Slot(k))
+
+    def pick(slots, costs=None, slack=2, forge=None):
+        held = []
         for k, n in zip(keys, slots, strict=True):
-            if n:
-                r.hset(f"{ns}:reserved", f"{me}|{k}", n)
+            for _ in range(n):
+                i, late = sa.call(rv.choose([k]))
+                assert i == 0 and late is None
+                held.append(k)
+        if forge is not None:  # an attacker's value in this replica's own field
+            r.hset(f"{ns}:reserved", f"{a.state.shared.replica_id}|{keys[forge]}", 1000)
         i, late = sa.call(rv.choose(keys, slack, costs))
         assert late is None
+        r.delete(f"{ns}:reserved")
+        sa.call(release([*held, keys[i]]))
+        assert _until(lambda: not rv.held)
         return i
 
     try:
@@ -205,6 +217,10 @@ def test_with_costs_redis_redoes_the_rule_on_exact_counts(cluster):
         # ties (within `tie` of the least) go to fewer slots: 1.5 and 1.6 tie at 10%, worker 2 holds none
         assert pick([3, 1, 0], cheap_first._replace(seen=[3, 1, 0], tie=0.1)) == 2
         assert pick([3, 1, 0], cheap_first._replace(seen=[3, 1, 0])) == 1
+        # 1000 forged into this replica's own field of worker 0 counts as its 0 slots there plus the one
+        # reservation on its way (1): worker 0 (first in order) is within slack 1 of 0 and keeps the request
+        # (uncapped, 1000 would send it to worker 1)
+        assert pick([0, 0, 0], forge=0, slack=1) == 0
     finally:
         r.delete(f"{ns}:reserved")
         r.close()

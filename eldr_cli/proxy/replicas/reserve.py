@@ -19,7 +19,9 @@ workers whose signed load is within the policy's slack plus ``TRUST_MARGIN`` of 
 decision's own worker always stays a candidate (a margin must never drop the policy's own choice).
 Forged reservations can therefore move a choice only inside that set. And the script reads only the
 fields it needs (``HMGET``: this replica's and those of the replicas whose *signed* heartbeat verified at
-the last beat, for each candidate), counts a value only in ``0..MAX_IN_FLIGHT`` (integers; ``nan``,
+the last beat, for each candidate), counts another replica's field up to its signed in-flight there plus
+``TRUST_MARGIN`` and its own up to the slots it holds there plus its reservations on their way (``Reserver.held``:
+a forged value in a replica's own field moves nothing), counts a value only in ``0..MAX_IN_FLIGHT`` (integers; ``nan``,
 ``inf``, negatives and text are ignored and counted: ``eldr_proxy_state_rejected_total{reason=
 "reservation_range"}``); every other field is removed about once a second (a crash does not leak slots
 for long, and a bare ``inflight:<name>`` key keeps nothing alive).
@@ -49,6 +51,7 @@ local slack = tonumber(ARGV[2]) or 0
 local nrep, ncand, maxv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local r0, c0 = 6, 6 + nrep
 local k0 = c0 + ncand
+local o0 = k0 + nrep * ncand
 local load, bad, least = {}, 0, nil
 for j = 1, ncand do
   local f = {ARGV[1] .. '|' .. ARGV[c0 + j - 1]}
@@ -60,7 +63,8 @@ for j = 1, ncand do
     if v then
       local x = tonumber(v)
       if x and x == x and x >= 0 and x <= maxv and x == math.floor(x) then
-        if i > 1 then x = math.min(x, tonumber(ARGV[k0 + (i - 2) * ncand + j - 1])) end
+        if i > 1 then x = math.min(x, tonumber(ARGV[k0 + (i - 2) * ncand + j - 1]))
+        else x = math.min(x, tonumber(ARGV[o0 + j - 1])) end
         n = n + x
       else
         bad = bad + 1
@@ -70,7 +74,7 @@ for j = 1, ncand do
   load[j] = n
   if least == nil or n < least then least = n end
 end
-local e0 = k0 + nrep * ncand
+local e0 = o0 + ncand
 local best = nil
 if #ARGV > e0 then  -- the policy's own rule on the exact counts: least cost + (exact - seen) * growth
   local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
@@ -158,6 +162,10 @@ class Reserver:
         self._move = redis.register_script(_MOVE)
         self.results: dict[str, int] = dict.fromkeys(RESULTS, 0)
         self._bg: set[asyncio.Task[Any]] = set()
+        # this replica's own slots as it knows them (landed reservations not yet given back, per worker key) and
+        # its reservations still on their way: its own field in Redis counts at most their sum (more is forged)
+        self.held: dict[str, int] = {}
+        self._pending = 0
 
     async def choose(self, cands: Sequence[str], slack: int = 0,
                      costs: Costs | None = None) -> tuple[int | None, asyncio.Task[Any] | None]:
@@ -169,11 +177,14 @@ class Reserver:
         peers = self._peers()
         reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
         caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
+        self._pending += 1
+        own = [self.held.get(k, 0) + self._pending for k in cands]
         extra = [] if costs is None else [repr(float(costs.tie)), *map(repr, costs.cost), *map(repr, costs.growth),
                                           *costs.seen]
         task = asyncio.get_running_loop().create_task(self._select(
             keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps,
-                                   *extra]))
+                                   *own, *extra]))
+        task.add_done_callback(lambda t: self._landed(t, cands))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
             self.results["timeout"] += 1
@@ -189,6 +200,22 @@ class Reserver:
             self._on_ignored(ignored)
         return (i, None) if 0 <= i < len(cands) else (None, None)
 
+    def _landed(self, task: asyncio.Task[Any], cands: Sequence[str]) -> None:
+        """A reservation's answer arrived (in time or late): one fewer on its way, one more held if it reserved."""
+        self._pending -= 1
+        if task.cancelled() or task.exception() is not None:
+            return
+        i = int(task.result()[0])
+        if 0 <= i < len(cands):
+            self._hold(cands[i], 1)
+
+    def _hold(self, key: str, n: int) -> None:
+        v = self.held.get(key, 0) + n
+        if v > 0:
+            self.held[key] = v
+        else:
+            self.held.pop(key, None)
+
     def late_slot(self, task: asyncio.Task[Any], cands: Sequence[str], used: str) -> Slot:
         """The slot of ``used``, the worker chosen locally while the reservation was late: the late
         answer's slot is moved to it, so the counts in Redis stay those of the requests in flight."""
@@ -197,6 +224,8 @@ class Reserver:
     async def _move_late(self, task: asyncio.Task[Any], cands: Sequence[str], local: str) -> None:
         i = int((await task)[0])
         if cands[i] != local:
+            self._hold(cands[i], -1)
+            self._hold(local, 1)
             await self._move(keys=[self.key], args=[f"{self.replica_id}|{cands[i]}", f"{self.replica_id}|{local}"])
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -214,6 +243,7 @@ class Reserver:
             await asyncio.wait({slot.pending})
             if slot.pending.cancelled() or slot.pending.exception() is not None:
                 return  # nothing landed: nothing to give back
+        self._hold(slot.key, -1)
         await self._release(keys=[self.key], args=[f"{self.replica_id}|{slot.key}"])
 
     def _done(self, t: asyncio.Task[Any]) -> None:
