@@ -117,9 +117,11 @@ def bench_sign(n: int = 20000) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ 2
-def _before_tree(tmp: Path) -> Path:
-    base = subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+def _before_tree(tmp: Path, rev: str | None = None) -> Path:
+    """``eldr_cli`` of ``rev`` (default: where this branch left main; on main itself, pass the commit to compare
+    with, e.g. the one before a change was merged)."""
+    base = rev or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip()
     dst = tmp / "before"
     dst.mkdir()
     arch = subprocess.run(["git", "archive", base, "eldr_cli"], cwd=ROOT, capture_output=True, check=True).stdout
@@ -139,14 +141,15 @@ def _replica(tmp, name, tree, pre, dec, state, port, *extra):
     return p
 
 
-def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int) -> dict:
+def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int, before_rev: str | None = None) -> dict:
     ports = [free_port() for _ in range(4)]
     pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    before = _before_tree(tmp)
+    before = _before_tree(tmp, before_rev)
     procs = [br._stubs(tmp, ports)]
     rows = (("before", before, 1, []), ("after", ROOT, 2, []),
             ("after, reservation off", ROOT, 3, ["--state-reserve-ms", "0"]))
-    res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, **{r[0]: [] for r in rows}}
+    res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, "before_rev": before_rev,
+                 **{r[0]: [] for r in rows}}
     with RedisServer() as redis:
         try:
             variants = {}
@@ -297,6 +300,8 @@ def main():
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--duration", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--before", default=None, help="the commit the cpu part compares with (default: the merge-base "
+                                                   "with main)")
     ap.add_argument("--bursts", type=int, default=8)
     ap.add_argument("--burst-size", type=int, default=16)
     ap.add_argument("--burst-gap-s", type=float, default=0.5)
@@ -317,7 +322,7 @@ def main():
                   f"{2 * v['hmac_us']:>8.2f}"
                   f"{v['message_bytes']:>7}")
     if "cpu" in parts:
-        result["cpu"] = bench_cpu(tmp, args.rate, args.duration, args.rounds)
+        result["cpu"] = bench_cpu(tmp, args.rate, args.duration, args.rounds, args.before)
         for k, v in result["cpu"].items():
             if k.startswith(("median_us", "ratio")):
                 print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v:.3f}")
