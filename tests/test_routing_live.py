@@ -130,6 +130,33 @@ def test_preference_order_for_the_replicas_reservation():
     assert ranking.preference(4, [0, 1, 2, 3, 9]) == [4, 2, 1, 0, 3]
 
 
+def test_growth_is_the_cost_of_one_more_request_the_loads_left_out():
+    """The replicas' reservation corrects each predicted cost by ``growth_ms`` per request in flight that the
+    decision's loads did not count: exactly what the cost becomes with one more in B (same live set), idle
+    decoders included; and the router's Offer carries costs and growth in the order of preference."""
+    from eldr_cli.routing.router import Offer
+
+    protos, act = _disjoint()
+    r = make_router("eldr-live", 4, model=_model(protos, act))
+    pol = r.policy
+    for i, (w, m) in enumerate([(0, 0), (0, 0), (1, 1), (1, 0), (1, 2), (3, 3)]):
+        pol.on_dispatch(w, i, pol.rank([0] * 4, _sig(m)).detail)
+    loads = [2, 3, 0, 1]
+    for m in range(4):
+        base = pol.rank(loads, _sig(m), tokens=5)
+        assert (base.growth_ms > 0).all()
+        for d in range(4):
+            more = pol.rank([x + (k == d) for k, x in enumerate(loads)], _sig(m), tokens=5)
+            assert more.predicted_ms[d] - base.predicted_ms[d] == pytest.approx(base.growth_ms[d], rel=1e-5)
+    dec = r.decide(None, loads)
+    offer = r.reservation(dec, loads)
+    assert isinstance(offer, Offer) and offer.order[0] == dec.worker and sorted(offer.order) == [0, 1, 2, 3]
+    assert offer.cost == [float(dec.predicted_ms[k]) for k in offer.order]
+    assert offer.growth == [float(dec.ranking.growth_ms[k]) for k in offer.order]
+    assert offer.slack == dec.ranking.slack
+    assert r.reservation(make_router("jsq", 4).decide(None, loads), loads).cost is None  # the first-in-order rule
+
+
 def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     """log q is float32 and updated by adding and subtracting: after many arrivals and departures (more than
     RECOUNT_EVERY on a decoder) q still equals its value computed afresh from the counts."""
