@@ -171,6 +171,10 @@ bench-shadow: venv  ## shadow mode's cost per decision (K=16, one and two shadow
 	$(BIN)/python benchmarks/bench_shadow.py --out bench-results/shadow.json
 	$(BIN)/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
 
+.PHONY: bench-replicas-tpot
+bench-replicas-tpot: venv deps-system  ## eldr-live via --workers 4 vs one proxy: TPOT, EMULATED 4P8D, demo inputs, 5 paired seeds
+	$(BIN)/python benchmarks/bench_replicas_tpot.py --demo $(ART)/demo --prepare --out bench-results/replicas_tpot.json
+
 .PHONY: bench-state
 bench-state: venv deps-system  ## signed shared state: signing CPU, 2-replica CPU before/after, the herd (--workers 4)
 	$(BIN)/python benchmarks/bench_state.py --out bench-results/state.json
