@@ -85,8 +85,7 @@ def test_full_disk_drops_rows_and_serves(routing3, tmp_path, caplog):
 
 def test_full_queue_drops_without_blocking(tmp_path):
     log = DecisionLog(str(tmp_path / "d.jsonl"), queue_rows=1)
-    log._q.put(None)  # the writer stops, so nothing drains the queue
-    log._thread.join(5)
+    log._worker.close(5)  # the writer stops, so nothing drains the queue
     log.write({"request_id": "fills the one slot"})
     for i in range(5):
         log.write({"request_id": i})

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+from eldr_cli.proxy.background import QueueThread
 
 LOG_VERSION = 2  # 1: rows without the replay fields
 REPLAY_FIELDS = ("log_v", "arrival_s", "prompt_tokens", "max_tokens", "sig", "routing_id")
@@ -117,15 +117,12 @@ class DecisionLog:
         self._part = 0
         self._failed = False      # the first failure is logged, the rest only counted
         self._fh = None if self.parquet else open(self.path, "ab", buffering=1 << 16)
-        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_rows)
-        self._thread = threading.Thread(target=self._run, name="eldr-decision-log", daemon=True)
-        self._thread.start()
+        self._worker = QueueThread("eldr-decision-log", self._write_row, queue_rows, on_drain=self._flush_file)
+        self._worker.start()
 
     def write(self, row: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises: a full queue drops the row and counts it)."""
-        try:
-            self._q.put_nowait(row)
-        except queue.Full:
+        if not self._worker.offer(row):
             self._drop(1, "the writer is behind (queue full)")
 
     def _drop(self, n: int, why: str) -> None:
@@ -134,20 +131,6 @@ class DecisionLog:
             self._failed = True
             log.warning("decision log %s: %s; dropping rows (counted in eldr_proxy_decision_log_dropped_total), "
                         "requests are served as usual", self.path, why)
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                if isinstance(item, threading.Event):
-                    self._flush_file()
-                    item.set()
-                    continue
-                self._write_row(item)
-            finally:
-                self._q.task_done()
 
     def _write_row(self, row: dict[str, Any]) -> None:
         try:
@@ -193,19 +176,10 @@ class DecisionLog:
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) until every queued row is written and the file flushed."""
-        if not self._thread.is_alive():
-            return
-        done = threading.Event()
-        try:
-            self._q.put(done, timeout=timeout_s)
-        except queue.Full:
-            return
-        done.wait(timeout_s)
+        self._worker.drain(timeout_s)
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join(30.0)
+        self._worker.close(30.0)
         if self._fh is not None:
             try:
                 self._fh.close()

@@ -5,11 +5,11 @@ off the request path (:class:`eldr_cli.routing.drift.DriftMonitor`), exported as
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from eldr_cli.proxy.background import QueueThread
 from eldr_cli.routing.drift import DriftMonitor
 
 if TYPE_CHECKING:
@@ -34,23 +34,16 @@ class DriftWatch:
         self._monitor: DriftMonitor | None = None
         self._path: str | None = None
         self._lock = threading.Lock()
-        self._q: queue.Queue[Any] = queue.Queue(maxsize=queue_rows)
-        self._thread = threading.Thread()
+        self._worker = QueueThread("eldr-drift", self._score, queue_rows)
         self.start()
 
     def start(self) -> None:
         """Start the scoring thread (again after :meth:`close`)."""
-        if not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="eldr-drift", daemon=True)
-            self._thread.start()
+        self._worker.start()
 
     def observe(self, enc: Any) -> None:
         """One handed-off signature as it arrived (never blocks: a full queue skips it, counted)."""
-        if not isinstance(enc, dict):
-            return
-        try:
-            self._q.put_nowait(enc)
-        except queue.Full:
+        if isinstance(enc, dict) and not self._worker.offer(enc):
             self.dropped += 1
 
     def _current(self) -> DriftMonitor | None:
@@ -66,38 +59,23 @@ class DriftWatch:
                 self._monitor, self._path = DriftMonitor.for_model(st.model, stats), st.routing_path
         return self._monitor
 
-    def _run(self) -> None:
-        from eldr_cli.handoff import SignatureDecodeError, decode_counts
+    def _score(self, enc: Any) -> None:
+        from eldr_cli.handoff import decode_counts
 
-        while True:
-            enc = self._q.get()
-            try:
-                if enc is None:
-                    return
-                if isinstance(enc, threading.Event):
-                    enc.set()
-                    continue
-                mon = self._current()
-                if mon is None:
-                    continue
-                try:
-                    counts = decode_counts(enc)
-                    sig = self.state.model.signature(counts)  # type: ignore[union-attr]
-                except (SignatureDecodeError, ValueError, Exception):  # noqa: BLE001 - counted as missing elsewhere
-                    continue
-                with self._lock:
-                    mon.observe(sig)
-            finally:
-                self._q.task_done()
+        mon = self._current()
+        if mon is None:
+            return
+        try:
+            counts = decode_counts(enc)
+            sig = self.state.model.signature(counts)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - a bad signature is counted as missing on the request path
+            return
+        with self._lock:
+            mon.observe(sig)
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued signature is scored (tests, shutdown)."""
-        done = threading.Event()
-        try:
-            self._q.put(done, timeout=timeout_s)
-        except queue.Full:
-            return
-        done.wait(timeout_s)
+        self._worker.drain(timeout_s)
 
     def snapshot(self) -> dict[str, Any] | None:
         with self._lock:
@@ -105,9 +83,7 @@ class DriftWatch:
             return None if mon is None else mon.snapshot()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join(10.0)
+        self._worker.close(10.0)
 
 
 class DriftCollector:
