@@ -90,20 +90,34 @@ def _run(url, streams, per_stream, decoders, sample=None):
     return [d.stats["decode"] - b for d, b in zip(decoders, before, strict=True)], max(spreads, default=0)
 
 
-def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster):
+def _decisions(app, path):
+    """Every row of ``app``'s decision log: (the loads it decided on, the position of the worker used)."""
+    app.decision_log.flush()
+    return [(row["loads"], row["chosen"]) for row in map(orjson.loads, path.read_bytes().splitlines())]
+
+
+def _worst(rows):
+    """The largest excess of a chosen worker's load over the least load, over all decisions."""
+    return max(loads[c] - min(loads) for loads, c in rows)
+
+
+def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster, tmp_path):
     reps, decoders, dec, r, ns = cluster
     (a, sa), _ = reps
     r.hset(f"{ns}:reserved", f"zz|decode|{dec[0]}", 1_000_000)
     r.set(f"{ns}:inflight:zz", "x")  # a bare key: no signed heartbeat
     per, spread = _run(sa.url, 4, 10, decoders)
     assert min(per) >= 10, per  # the issue: 40 of 40 went to d1
-    assert spread <= 2, spread
+    rows = _decisions(a, tmp_path / "dec0.jsonl")
+    print(f"bare-key forgery, 4 streams x 10: per decoder {per}, largest spread at the decoders {spread}")
+    # JSQ on the loads it saw, give or take one release still on its way (steered, d1 would run 3 ahead)
+    assert len(rows) == 40 and _worst(rows) <= 1, rows
     # the bare key does not keep the forged field alive: the next cleanup (about 1/s) removes it
     assert _until(lambda: r.hget(f"{ns}:reserved", f"zz|decode|{dec[0]}") is None, 3)
 
 
 @pytest.mark.parametrize("value", ["nan", "-inf", "inf", "-5", "1.5", str(MAX_IN_FLIGHT + 1), "x"])
-def test_values_outside_the_range_are_ignored_and_counted(cluster, value):
+def test_values_outside_the_range_are_ignored_and_counted(cluster, value, tmp_path):
     reps, decoders, dec, r, ns = cluster
     (a, sa), (b, _) = reps
     field = f"{b.state.shared.replica_id}|decode|{dec[0]}"  # under a live replica's name
@@ -121,7 +135,9 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value):
     finally:
         stop.set()
         t.join()
-    assert min(per) >= 6 and spread <= 2, (per, spread)  # of 24
+    assert min(per) >= 6, (per, spread)  # of 24
+    rows = _decisions(a, tmp_path / "dec0.jsonl")
+    assert len(rows) == 24 and _worst(rows) <= 1, rows
     assert a.state.shared.rejected["reservation_range"] > 0
 
 
@@ -148,10 +164,9 @@ def test_the_forged_share_is_bounded_by_the_slack(cluster, tmp_path):
     finally:
         stop.set()
         t.join()
-    a.decision_log.flush()
-    rows = [orjson.loads(line) for line in (tmp_path / "dec0.jsonl").read_bytes().splitlines()]
-    over = [row["loads"] for row in rows if row["loads"][row["chosen"]] > min(row["loads"]) + SLACK]
-    moved = sum(row["chosen"] == 1 and row["loads"][1] > row["loads"][0] for row in rows)
+    rows = _decisions(a, tmp_path / "dec0.jsonl")
+    over = [loads for loads, c in rows if loads[c] > min(loads) + SLACK]
+    moved = sum(c == 1 and loads[1] > loads[0] for loads, c in rows)
     print(f"forged in-range slots under a live replica's name, 16 streams x 3: per decoder {per}, decisions moved "
           f"off the least loaded {moved}, largest spread at the decoders {spread}")
     assert len(rows) == 48
