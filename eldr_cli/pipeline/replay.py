@@ -89,7 +89,8 @@ def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
 
 
 def shares(results: list[dict]) -> list[dict]:
-    """Per batch size: best load balancer, ELDR, oracle (active experts per layer) and ELDR's share (%)."""
+    """Per batch size: best load balancer, ELDR, the step-cluster oracle and the clairvoyant router (active experts
+    per layer), and ELDR's share (%) of the distance to the step-cluster oracle."""
     out = []
     for B in sorted({r["batch_size"] for r in results}):
         at = {r["policy"]: r["mean_active_per_layer"] for r in results if r["batch_size"] == B}
@@ -101,6 +102,8 @@ def shares(results: list[dict]) -> list[dict]:
             if "eldr" in at and "oracle" in at:
                 row.update(eldr_active=at["eldr"], oracle_active=at["oracle"],
                            share_pct=oracle_share(lbs[best], at["eldr"], at["oracle"]))
+            if "clairvoyant" in at:
+                row["clairvoyant_active"] = at["clairvoyant"]
         out.append(row)
     return out
 
@@ -138,10 +141,10 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
         raise EldrError(f"the {split} rows of {trace_path} have no decode steps to replay")
     domains = tr.column("domain") if "domain" in tr.requests.columns else None
     oracle = None
-    if "oracle" in policies:
+    if "oracle" in policies or "clairvoyant" in policies:
         from eldr_cli.routing.oracle import fit_oracle
 
-        oracle = fit_oracle(tr.decode_counts, served, K, model=model, tau=tau, seed=seed)
+        oracle = fit_oracle(tr.decode_counts, served, K, model=model, tau=tau, seed=seed, decode_steps=tr.decode_steps)
 
     rng = np.random.default_rng(seed)
     masks = StepMasks(tr, served)

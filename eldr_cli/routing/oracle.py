@@ -46,6 +46,7 @@ class OracleModel:
             cents = np.vstack([cents, np.zeros((n_workers - k, cents.shape[1]))])
         self.centroids = np.ascontiguousarray(cents)
         self.tau = float(tau)
+        self.future: dict[int, np.ndarray] | None = None  # the rows' true activations (fit_oracle's decode_steps)
 
     def signature(self, row: int) -> np.ndarray:
         return self.patterns[int(row)]
@@ -69,13 +70,20 @@ class OraclePolicy(Policy):
 
 
 def fit_oracle(decode_counts: np.ndarray, rows: np.ndarray, n_workers: int, *, model=None,
-               tau: float | None = None, seed: int = 0) -> OracleModel:
+               tau: float | None = None, seed: int = 0, decode_steps: np.ndarray | None = None) -> OracleModel:
     """The oracle of the served ``rows``: with a routing ``model``, patterns are ELDR's own signature of the
-    decode counts and tau is the model's unless given; without one, sqrt-damped decode patterns, tau 0.1."""
+    decode counts and tau is the model's unless given; without one, sqrt-damped decode patterns, tau 0.1.
+    With ``decode_steps``, it also holds the rows' true per-step activations (``future``), which the
+    clairvoyant router (``routing.clairvoyant``) is fed."""
     if tau is None:
         tau = model.tau if model is not None else 0.1
-    return OracleModel(np.asarray(decode_counts), rows, n_workers, tau=tau, seed=seed,
-                       signature=None if model is None else model.signature)
+    om = OracleModel(np.asarray(decode_counts), rows, n_workers, tau=tau, seed=seed,
+                     signature=None if model is None else model.signature)
+    if decode_steps is not None:
+        from eldr_cli.routing.clairvoyant import future_activations
+
+        om.future = future_activations(decode_counts, decode_steps, rows)
+    return om
 
 
 def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
