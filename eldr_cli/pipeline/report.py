@@ -82,7 +82,8 @@ def replay_text(res: dict) -> str:
             f"{s['eldr_active']:.1f} distinct experts per layer per step against {s['best_lb_active']:.1f} for the "
             f"best load balancer ({s['best_lb']}) and {s['oracle_active']:.1f} for the step-cluster oracle: ")
     if s.get("clairvoyant_active") is not None:
-        head = head[:-2] + f", {s['clairvoyant_active']:.1f} for the clairvoyant router (the limit): "
+        head = head[:-2] + (f", {s['clairvoyant_active']:.1f} for eldr-live's clairvoyant twin (the limit of "
+                            "eldr-live's rule, which trades locality for load and step cost): ")
     if s["share_pct"] > 100:
         return head + ("ELDR does better than the step-cluster oracle, whose clusters come from the served rows' "
                        "few decode steps (ELDR's from all their prompt tokens).")

@@ -1,10 +1,14 @@
-"""The oracle decode router: the physical limit of decode routing on a trace (replay and simulation only).
+"""The step-cluster oracle (router name ``oracle``; replay and simulation only).
+
+Not a limit: its clusters come from the served rows' few captured decode steps, and ELDR can beat it (it did on
+the held-out Llama-4 trace). The limit row is ``routing.clairvoyant`` (eldr-live's rule on true future
+activations), whose activations :func:`fit_oracle` also computes (``future``).
 
 It knows what no router can know at admission: each request's *decode* expert pattern. Balanced
 clusters (K = decode workers) are fitted on the decode counts of the very rows being served, and
 requests are routed by the same locality-band rule as ELDR (``routing.policies.locality_band``) on
-that pattern. ELDR, which sees only the prefill pattern, can at best match it; every comparison
-shows how much of the distance from the best load balancer to the oracle ELDR covers.
+that pattern. ELDR sees only the prefill pattern, but its clusters come from all the prompt tokens; comparisons
+show how much of the distance from the best load balancer to this oracle ELDR covers (and when it passes it).
 """
 
 from __future__ import annotations
