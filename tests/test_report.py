@@ -64,6 +64,8 @@ def test_report_json_has_the_keys_tools_read(report):
     d = v["clairvoyant_minus_eldr_live_capacity_pp"]
     assert set(d) == {"mean", "ci95"} and d["ci95"][0] <= d["mean"] <= d["ci95"][1]
     assert "clairvoyant twin" in v["text"] and "step-cluster oracle" in v["text"]
+    assert {r["policy"] for r in doc["replay"]["results"]} >= {"clairvoyant", "oracle", "eldr-live"}
+    assert all(row.get("clairvoyant_active", 0) > 0 for row in doc["replay"]["oracle_share"])
     assert len(v["by_load"]) == 5 * len(routers)  # 10, 25, 50, 75 and 100% of the best balancer's capacity
     for row in v["by_load"]:
         assert {"load_pct", "router", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms"} <= set(row)

@@ -5,13 +5,14 @@ a property of the trace and the routing decision alone.
 For each policy and batch size B, the served rows (repeated in seeded shuffled passes until there are
 at least ``PASSES_MIN x K x B`` requests) go through :func:`eldr_cli.pipeline.evaluate.replay_batches`:
 K decoders, at most K x B requests in flight, each routed at admission by the decode router
-(``routing.make_router``), the ``oracle`` included (``routing.oracle``: balanced clusters fitted on the
-*decode* patterns of the served rows themselves, the same band rule). Every (step, decoder) batch is
+(``routing.make_router``), the step-cluster ``oracle`` included (``routing.oracle``: balanced clusters fitted
+on the *decode* patterns of the served rows themselves, the same band rule) and the ``clairvoyant`` limit row
+(``routing.clairvoyant``: eldr-live's rule on each row's true future activations). Every (step, decoder) batch is
 scored by the union of its members' current-step picks: distinct active experts per layer (mean over
 layers). Only steady-state steps count (while requests were still waiting, so every pool was full).
 
-The oracle is the physical limit of decode routing on the trace: the summary gives, per batch size,
-the share of the distance from the best load balancer to the oracle that ELDR covers.
+The summary gives, per batch size, the share of the distance from the best load balancer to the step-cluster
+oracle that ELDR covers (ELDR can pass it: it is not a limit), and the clairvoyant router's active experts.
 """
 
 from __future__ import annotations
