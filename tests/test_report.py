@@ -55,7 +55,17 @@ def test_report_json_has_the_keys_tools_read(report):
     for c in v["capacity_rps"].values():
         assert set(c) == {"mean", "ci95"} and len(c["ci95"]) == 2 and c["ci95"][0] <= c["mean"] <= c["ci95"][1]
     balancers = {"round-robin", "random", "jsq", "p2c"}
-    assert set(v["capacity_gain_vs_best_lb_pct"]) == set(routers) - balancers  # eldr, eldr-live, the oracle
+    assert set(v["capacity_gain_vs_best_lb_pct"]) == set(routers) - balancers  # eldr, eldr-live, the limit rows
+    # the limit row (issue 29, item 9): eldr-live's rule on true future activations, paired over the seeds
+    assert "clairvoyant" in routers
+    for key in ("clairvoyant", "eldr-live", "oracle"):
+        g = v["capacity_gain_vs_best_lb_pct"][key]
+        assert set(g) == {"mean", "ci95"} and len(g["ci95"]) == 2 and g["ci95"][0] <= g["mean"] <= g["ci95"][1]
+    d = v["clairvoyant_minus_eldr_live_capacity_pp"]
+    assert set(d) == {"mean", "ci95"} and d["ci95"][0] <= d["mean"] <= d["ci95"][1]
+    assert "clairvoyant twin" in v["text"] and "step-cluster oracle" in v["text"]
+    assert {r["policy"] for r in doc["replay"]["results"]} >= {"clairvoyant", "oracle", "eldr-live"}
+    assert all(row.get("clairvoyant_active", 0) > 0 for row in doc["replay"]["oracle_share"])
     assert len(v["by_load"]) == 5 * len(routers)  # 10, 25, 50, 75 and 100% of the best balancer's capacity
     for row in v["by_load"]:
         assert {"load_pct", "router", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms"} <= set(row)
@@ -188,9 +198,9 @@ def test_replay_sentence_picks_the_most_telling_batch_and_says_when_eldr_beats_t
 
     res = {"oracle_share": [row(4, 10.0, 9.0, 8.0, 50.0), row(16, 20.0, 15.0, 10.0, 50.0), {"batch_size": 64}]}
     t = replay_text(res)
-    assert "decode batch 16" in t and "50% of the way to the oracle" in t  # the largest relative gap
+    assert "decode batch 16" in t and "50% of the way to the step-cluster oracle" in t  # the largest relative gap
     t = replay_text({"oracle_share": [row(4, 10.0, 7.0, 8.0, 150.0)]})
-    assert "better than this oracle" in t and "150%" not in t
+    assert "better than the step-cluster oracle" in t and "150%" not in t
     assert replay_text({"oracle_share": [{"batch_size": 1}]}) == ""
 
 

@@ -25,7 +25,9 @@ import numpy as np
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import LOAD_BALANCERS
 
-ORACLE = "oracle"
+ORACLE = "oracle"             # the step-cluster oracle (routing.oracle)
+CLAIRVOYANT = "clairvoyant"   # eldr-live's rule on true future activations (routing.clairvoyant): the limit
+LIMITS = (ORACLE, CLAIRVOYANT)
 CI_METHOD = "95% Student-t interval over seeds (n-1 degrees of freedom), paired across routers"
 TOLERANCE = 0.02          # bisect until hi <= (1 + TOLERANCE) * lo
 MAX_DOUBLINGS = 5         # highest rate tried: start * 2**5
@@ -35,8 +37,9 @@ TTFT_SLO_FACTOR = 3.0     # TTFT target: 3x the typical prompt's prefill step + 
 
 
 def is_candidate(router: str) -> bool:
-    """A router compared against the best load balancer: anything that is neither a balancer nor the oracle."""
-    return router not in LOAD_BALANCERS and router != ORACLE
+    """A router compared against the best load balancer: anything that is neither a balancer nor a limit row
+    (the step-cluster oracle, the clairvoyant router: they know the future)."""
+    return router not in LOAD_BALANCERS and router not in LIMITS
 
 
 # -- statistics ----------------------------------------------------------------------------------------

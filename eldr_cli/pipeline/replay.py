@@ -5,13 +5,14 @@ a property of the trace and the routing decision alone.
 For each policy and batch size B, the served rows (repeated in seeded shuffled passes until there are
 at least ``PASSES_MIN x K x B`` requests) go through :func:`eldr_cli.pipeline.evaluate.replay_batches`:
 K decoders, at most K x B requests in flight, each routed at admission by the decode router
-(``routing.make_router``), the ``oracle`` included (``routing.oracle``: balanced clusters fitted on the
-*decode* patterns of the served rows themselves, the same band rule). Every (step, decoder) batch is
+(``routing.make_router``), the step-cluster ``oracle`` included (``routing.oracle``: balanced clusters fitted
+on the *decode* patterns of the served rows themselves, the same band rule) and the ``clairvoyant`` limit row
+(``routing.clairvoyant``: eldr-live's rule on each row's true future activations). Every (step, decoder) batch is
 scored by the union of its members' current-step picks: distinct active experts per layer (mean over
 layers). Only steady-state steps count (while requests were still waiting, so every pool was full).
 
-The oracle is the physical limit of decode routing on the trace: the summary gives, per batch size,
-the share of the distance from the best load balancer to the oracle that ELDR covers.
+The summary gives, per batch size, the share of the distance from the best load balancer to the step-cluster
+oracle that ELDR covers (ELDR can pass it: it is not a limit), and the clairvoyant router's active experts.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:
 
 
 def shares(results: list[dict]) -> list[dict]:
-    """Per batch size: best load balancer, ELDR, oracle (active experts per layer) and ELDR's share (%)."""
+    """Per batch size: best load balancer, ELDR, the step-cluster oracle and the clairvoyant router (active experts
+    per layer), and ELDR's share (%) of the distance to the step-cluster oracle."""
     out = []
     for B in sorted({r["batch_size"] for r in results}):
         at = {r["policy"]: r["mean_active_per_layer"] for r in results if r["batch_size"] == B}
@@ -101,6 +103,8 @@ def shares(results: list[dict]) -> list[dict]:
             if "eldr" in at and "oracle" in at:
                 row.update(eldr_active=at["eldr"], oracle_active=at["oracle"],
                            share_pct=oracle_share(lbs[best], at["eldr"], at["oracle"]))
+            if "clairvoyant" in at:
+                row["clairvoyant_active"] = at["clairvoyant"]
         out.append(row)
     return out
 
@@ -138,10 +142,10 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
         raise EldrError(f"the {split} rows of {trace_path} have no decode steps to replay")
     domains = tr.column("domain") if "domain" in tr.requests.columns else None
     oracle = None
-    if "oracle" in policies:
+    if "oracle" in policies or "clairvoyant" in policies:
         from eldr_cli.routing.oracle import fit_oracle
 
-        oracle = fit_oracle(tr.decode_counts, served, K, model=model, tau=tau, seed=seed)
+        oracle = fit_oracle(tr.decode_counts, served, K, model=model, tau=tau, seed=seed, decode_steps=tr.decode_steps)
 
     rng = np.random.default_rng(seed)
     masks = StepMasks(tr, served)

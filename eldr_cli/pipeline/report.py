@@ -71,8 +71,8 @@ def cost_provenance(cost_model) -> str:
 
 
 def replay_text(res: dict) -> str:
-    """One sentence on the replay's oracle row, at the batch size where the oracle is furthest below the best
-    load balancer (relative), i.e. where the comparison says the most."""
+    """One sentence on the replay's step-cluster oracle and clairvoyant rows, at the batch size where the oracle is
+    furthest below the best load balancer (relative), i.e. where the comparison says the most."""
     got = [s for s in res.get("oracle_share", []) if s.get("share_pct") is not None]
     if not got:
         return ""
@@ -80,11 +80,14 @@ def replay_text(res: dict) -> str:
                                 s["batch_size"]))
     head = (f" In trace replay (no cost model) at decode batch {s['batch_size']} ELDR activates "
             f"{s['eldr_active']:.1f} distinct experts per layer per step against {s['best_lb_active']:.1f} for the "
-            f"best load balancer ({s['best_lb']}) and {s['oracle_active']:.1f} for the oracle: ")
+            f"best load balancer ({s['best_lb']}) and {s['oracle_active']:.1f} for the step-cluster oracle: ")
+    if s.get("clairvoyant_active") is not None:
+        head = head[:-2] + (f", {s['clairvoyant_active']:.1f} for eldr-live's clairvoyant twin (the limit of "
+                            "eldr-live's rule, which trades locality for load and step cost): ")
     if s["share_pct"] > 100:
-        return head + ("ELDR does better than this oracle, whose clusters come from the served rows' few decode "
-                       "steps (ELDR's from all their prompt tokens).")
-    return head + f"{max(s['share_pct'], 0.0):.0f}% of the way to the oracle."
+        return head + ("ELDR does better than the step-cluster oracle, whose clusters come from the served rows' "
+                       "few decode steps (ELDR's from all their prompt tokens).")
+    return head + f"{max(s['share_pct'], 0.0):.0f}% of the way to the step-cluster oracle."
 
 
 def _figures(*dirs: Path | None) -> list[Path]:
@@ -136,7 +139,7 @@ def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int
         notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
                      "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so that TTFT "
                      "does not limit capacity")
-    oracle = fit_oracle(tr.decode_counts, rows, n_decode, model=model, seed=seed)
+    oracle = fit_oracle(tr.decode_counts, rows, n_decode, model=model, seed=seed, decode_steps=tr.decode_steps)
     # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
     # a request's lifetime at the TPOT target: the warm-up is two (the decoders' batches reach steady state),
     # the measured window at least three (and at least 300 requests, see SimSetup.window)

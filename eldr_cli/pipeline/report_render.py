@@ -82,7 +82,7 @@ def decision(doc: dict) -> str:
     if v["status"] == "above":
         return "No decision: every router meets this SLO at the highest rate tried."
     if r is None:
-        return "No decision: no router other than load balancers and the oracle was compared."
+        return "No decision: no router other than load balancers and the limit rows was compared."
     g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
     if g is None or g.lo is None or g.hi is None:
         return "No decision: capacity gain not measurable."
@@ -114,7 +114,7 @@ def capacity_table(v: dict) -> tuple[str, list[str], list[list[str]]]:
     head = ["router", "capacity req/s", "vs best LB, %", "binding"]
     rows = []
     for r, c in v["capacity_rps"].items():
-        kind = " (LB)" if r in LOAD_BALANCERS else (" (limit)" if r == "oracle" else "")
+        kind = " (LB)" if r in LOAD_BALANCERS else {"clairvoyant": " (limit)", "oracle": " (step clusters)"}.get(r, "")
         g = _iv(v["capacity_gain_vs_best_lb_pct"].get(r))
         if r == v["best_load_balancer"]:
             vs = "best LB"

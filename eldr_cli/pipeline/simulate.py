@@ -97,11 +97,12 @@ def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, 
     else:  # serve the trace's own rows; prompt text is optional
         items, item_rows = trace_items(replay, split)
     oracle = None
-    if "oracle" in routers:
+    if "oracle" in routers or "clairvoyant" in routers:
         from eldr_cli.routing.oracle import fit_oracle
 
         served = item_rows if item_rows is not None else np.array([replay.match(it.prompt)[0] for it in items])
-        oracle = fit_oracle(tr.decode_counts, served, n_decode, model=model, tau=tau, seed=seed)
+        oracle = fit_oracle(tr.decode_counts, served, n_decode, model=model, tau=tau, seed=seed,
+                            decode_steps=tr.decode_steps)
     t0 = time.perf_counter()
     runs, req_rows, step_frames = [], [], []
     scheds = {rate: build_schedule(len(items), rate, duration_s=duration_s, warmup_s=warmup_s,

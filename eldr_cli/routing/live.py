@@ -123,6 +123,11 @@ class EldrLivePolicy(Policy):
         m = self.act.shape[0] - 1 if signature is None else \
             int((self.protos @ signature.astype(np.float32, copy=False)).argmax())
         c_new = int(tokens or 0)
+        return self._choose(loads, self.act[m], c_new, LiveDetail(m, c_new))
+
+    def _choose(self, loads, a_new: np.ndarray, c_new: int, detail: Any) -> Ranking:
+        """The rule on the new request's per-step activation probabilities ``a_new`` [L*E] (its prototype's
+        here; its true future ones in :class:`eldr_cli.routing.clairvoyant.ClairvoyantPolicy`)."""
         ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
         B = np.array(ld, dtype=np.float64)
         C = self.ctx
@@ -130,7 +135,7 @@ class EldrLivePolicy(Policy):
         # by the one step formula the simulator and the replay use
         Tb = step_ms_from_terms(self.terms, self.active, B, C)
         T = Tb * (B > 0)  # an idle decoder runs no step
-        T1 = step_ms_from_terms(self.terms, self.active + self.q @ self.act[m], B + 1, C + c_new)
+        T1 = step_ms_from_terms(self.terms, self.active + self.q @ a_new, B + 1, C + c_new)
         cost = T1 + B * (T1 - T)
         lo = min(ld)
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
@@ -148,7 +153,7 @@ class EldrLivePolicy(Policy):
         # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
         # Redis's exact counts)
         growth = T1 - Tb + self.terms[2]
-        return Ranking(w, slack=slack, predicted_ms=cost, detail=LiveDetail(m, c_new), growth_ms=growth, tie=tie)
+        return Ranking(w, slack=slack, predicted_ms=cost, detail=detail, growth_ms=growth, tie=tie)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
@@ -196,9 +201,7 @@ class EldrLivePolicy(Policy):
             else:
                 if self._changes[d] >= RECOUNT_EVERY:  # exact again, from the integer counts
                     self._changes[d] = 0
-                    n = (self.counts[d] + self.remote[d]).astype(np.float64)
-                    np.dot(n, self.log_idle, out=self._recount)
-                    self.log_q[d] = self._recount
+                    self.log_q[d] = self._exact_log_q(d)
                 # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
                 np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
                 np.exp(self._scratch, out=self.q[d])
@@ -235,3 +238,9 @@ class EldrLivePolicy(Policy):
         if tok != self.remote_tokens[worker]:
             self.remote_tokens[worker] = tok
             self._dirty.add(worker)
+
+    def _exact_log_q(self, d: int) -> np.ndarray:
+        """Decoder d's log q recounted from the integer counts of its live set (all replicas)."""
+        n = (self.counts[d] + self.remote[d]).astype(np.float64)
+        np.dot(n, self.log_idle, out=self._recount)
+        return self._recount

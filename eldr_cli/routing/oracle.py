@@ -1,10 +1,14 @@
-"""The oracle decode router: the physical limit of decode routing on a trace (replay and simulation only).
+"""The step-cluster oracle (router name ``oracle``; replay and simulation only).
+
+Not a limit: its clusters come from the served rows' few captured decode steps, and ELDR can beat it (it did on
+the held-out Llama-4 trace). The limit row is ``routing.clairvoyant`` (eldr-live's rule on true future
+activations), whose activations :func:`fit_oracle` also computes (``future``).
 
 It knows what no router can know at admission: each request's *decode* expert pattern. Balanced
 clusters (K = decode workers) are fitted on the decode counts of the very rows being served, and
 requests are routed by the same locality-band rule as ELDR (``routing.policies.locality_band``) on
-that pattern. ELDR, which sees only the prefill pattern, can at best match it; every comparison
-shows how much of the distance from the best load balancer to the oracle ELDR covers.
+that pattern. ELDR sees only the prefill pattern, but its clusters come from all the prompt tokens; comparisons
+show how much of the distance from the best load balancer to this oracle ELDR covers (and when it passes it).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class OracleModel:
             cents = np.vstack([cents, np.zeros((n_workers - k, cents.shape[1]))])
         self.centroids = np.ascontiguousarray(cents)
         self.tau = float(tau)
+        self.future: dict[int, np.ndarray] | None = None  # the rows' true activations (fit_oracle's decode_steps)
 
     def signature(self, row: int) -> np.ndarray:
         return self.patterns[int(row)]
@@ -69,13 +74,20 @@ class OraclePolicy(Policy):
 
 
 def fit_oracle(decode_counts: np.ndarray, rows: np.ndarray, n_workers: int, *, model=None,
-               tau: float | None = None, seed: int = 0) -> OracleModel:
+               tau: float | None = None, seed: int = 0, decode_steps: np.ndarray | None = None) -> OracleModel:
     """The oracle of the served ``rows``: with a routing ``model``, patterns are ELDR's own signature of the
-    decode counts and tau is the model's unless given; without one, sqrt-damped decode patterns, tau 0.1."""
+    decode counts and tau is the model's unless given; without one, sqrt-damped decode patterns, tau 0.1.
+    With ``decode_steps``, it also holds the rows' true per-step activations (``future``), which the
+    clairvoyant router (``routing.clairvoyant``) is fed."""
     if tau is None:
         tau = model.tau if model is not None else 0.1
-    return OracleModel(np.asarray(decode_counts), rows, n_workers, tau=tau, seed=seed,
-                       signature=None if model is None else model.signature)
+    om = OracleModel(np.asarray(decode_counts), rows, n_workers, tau=tau, seed=seed,
+                     signature=None if model is None else model.signature)
+    if decode_steps is not None:
+        from eldr_cli.routing.clairvoyant import future_activations
+
+        om.future = future_activations(decode_counts, decode_steps, rows)
+    return om
 
 
 def oracle_share(lb: float, eldr: float, oracle: float) -> float | None:

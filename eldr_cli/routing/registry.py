@@ -41,6 +41,8 @@ REGISTRY: dict[str, PolicyInfo] = {p.name: p for p in (
                needs_routing=True),
     PolicyInfo("oracle", "the band rule on each request's own decode pattern (replay and simulation only)", None,
                servable=False),
+    PolicyInfo("clairvoyant", "eldr-live's rule fed each request's true future decode activations: the limit of "
+               "its predictor (replay and simulation only)", None, needs_routing=True, servable=False),
 )}
 
 ROUTERS = tuple(REGISTRY)                                                  # every name make_router builds

@@ -197,7 +197,8 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
     ``cost``: the step cost model eldr-live predicts with (None: a relative default shape, see routing.live);
     ``seed`` seeds the random policies; ``oracle``: an :class:`eldr_cli.routing.oracle.OracleModel` fitted on
     the served rows' decode counts (see :func:`eldr_cli.routing.oracle.fit_oracle`), needed by ``oracle``,
-    whose signature is the request's own decode pattern looked up by ``key``.
+    whose signature is the request's own decode pattern looked up by ``key``, and by ``clairvoyant``, fed its
+    ``future`` (each served row's true per-step decode activations, by ``key``).
     """
     check_policy(name)
     if n_workers < 1:
@@ -209,6 +210,15 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
             raise EldrError("the oracle router needs the served rows' decode patterns (fit_oracle builds them)")
         return DecodeRouter(OraclePolicy(n_workers, oracle, tau=tau), n_workers, model,
                             lambda counts, key: oracle.patterns.get(key))
+    if name == "clairvoyant":
+        from eldr_cli.routing.clairvoyant import ClairvoyantPolicy
+
+        future = None if oracle is None else oracle.future
+        if future is None:
+            raise EldrError("the clairvoyant router needs the served rows' true decode activations "
+                            "(fit_oracle with decode_steps builds them)")
+        return DecodeRouter(ClairvoyantPolicy(n_workers, model=model, cost=cost, future=future), n_workers, model,
+                            lambda counts, key: future.get(key))
     if domain_share is None and model is not None:
         domain_share = model.domain_share
     build = REGISTRY[name].build
