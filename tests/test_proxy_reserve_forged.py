@@ -173,7 +173,4 @@ def test_the_forged_share_is_bounded_by_the_slack(cluster, tmp_path):
     assert moved > 0  # the forged slots do steer (else this test would show nothing) ...
     late = a.state.shared.reserver.results["timeout"]  # a late answer: the least loaded of that moment instead
     assert len(over) <= late, (over, late)  # ... but never beyond SLACK over the least signed load
-    # d0 still takes its share once d1 is SLACK ahead in the signed loads: 16 streams, d1 at most SLACK + 1 ahead
-    # at a decision, so about a third of the requests (16 of 48 in a hand run, 13 on a loaded host); forged slots
-    # that steered without a bound would starve it (0 of 48)
-    assert min(per) >= 10, per
+    assert min(per) >= 48 * 0.25, per  # d0 still takes its share once d1 is SLACK ahead

@@ -20,7 +20,7 @@ decision's own worker always stays a candidate (a margin must never drop the pol
 Forged reservations can therefore move a choice only inside that set. And the script reads only the
 fields it needs (``HMGET``: this replica's and those of the replicas whose *signed* heartbeat verified at
 the last beat, for each candidate), counts another replica's field up to its signed in-flight there plus
-``PEER_MARGIN`` and its own up to the slots it holds there plus its reservations on their way (``Reserver.held``:
+``TRUST_MARGIN`` and its own up to the slots it holds there plus its reservations on their way (``Reserver.held``:
 a forged value in a replica's own field moves nothing), counts a value only in ``0..MAX_IN_FLIGHT`` (integers; ``nan``,
 ``inf``, negatives and text are ignored and counted: ``eldr_proxy_state_rejected_total{reason=
 "reservation_range"}``); every other field is removed about once a second (a crash does not leak slots
@@ -43,10 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("eldr.proxy.state")
 
 TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's slack + TRUST_MARGIN
-# another replica's field counts up to its signed in-flight there + PEER_MARGIN: its honest reservations since its
-# last counts message (at most 10 ms old, more on a loaded host) must count in full, or a burst is undercounted and
-# piles up; a forged value moves decisions only among the candidates above, whatever this margin
-PEER_MARGIN = 32
 MAX_IN_FLIGHT = 1024  # a replica's reserved slots on one worker (its connection cap): more is forged
 RESULTS = ("ok", "timeout", "error", "skipped", "departed")  # departed: the answer named a worker that left
 
@@ -179,8 +175,8 @@ class Reserver:
         pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
         (None, None) on errors."""
         peers = self._peers()
-        reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + PEER_MARGIN
-        caps = [peers[r].get(k, 0) + PEER_MARGIN for r in reps for k in cands]
+        reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
+        caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
         self._pending += 1
         own = [self.held.get(k, 0) + self._pending for k in cands]
         extra = [] if costs is None else [repr(float(costs.tie)), *map(repr, costs.cost), *map(repr, costs.growth),
