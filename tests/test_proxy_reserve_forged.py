@@ -96,9 +96,9 @@ def _decisions(app, path):
     return [(row["loads"], row["chosen"]) for row in map(orjson.loads, path.read_bytes().splitlines())]
 
 
-def _worst(rows):
-    """The largest excess of a chosen worker's load over the least load, over all decisions."""
-    return max(loads[c] - min(loads) for loads, c in rows)
+def _over(rows, bound):
+    """The decisions whose worker's load was more than ``bound`` over the least load when decided."""
+    return [(loads, c) for loads, c in rows if loads[c] > min(loads) + bound]
 
 
 def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster, tmp_path):
@@ -110,8 +110,10 @@ def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster, tmp_path)
     assert min(per) >= 10, per  # the issue: 40 of 40 went to d1
     rows = _decisions(a, tmp_path / "dec0.jsonl")
     print(f"bare-key forgery, 4 streams x 10: per decoder {per}, largest spread at the decoders {spread}")
-    # JSQ on the loads it saw, give or take one release still on its way (steered, d1 would run 3 ahead)
-    assert len(rows) == 40 and _worst(rows) <= 1, rows
+    # JSQ on the loads it saw, give or take one release still on its way (steered, d1 would run 3 ahead); a late
+    # reservation decides locally on the loads of that later moment instead, so those are allowed (counted)
+    late = a.state.shared.reserver.results["timeout"]
+    assert len(rows) == 40 and len(_over(rows, 1)) <= late, (rows, late)
     # the bare key does not keep the forged field alive: the next cleanup (about 1/s) removes it
     assert _until(lambda: r.hget(f"{ns}:reserved", f"zz|decode|{dec[0]}") is None, 3)
 
@@ -137,7 +139,8 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value, tmp_pa
         t.join()
     assert min(per) >= 6, (per, spread)  # of 24
     rows = _decisions(a, tmp_path / "dec0.jsonl")
-    assert len(rows) == 24 and _worst(rows) <= 1, rows
+    late = a.state.shared.reserver.results["timeout"]  # as above: a late answer decides on later loads
+    assert len(rows) == 24 and len(_over(rows, 1)) <= late, (rows, late)
     assert a.state.shared.rejected["reservation_range"] > 0
 
 
@@ -165,7 +168,7 @@ def test_the_forged_share_is_bounded_by_the_slack(cluster, tmp_path):
         stop.set()
         t.join()
     rows = _decisions(a, tmp_path / "dec0.jsonl")
-    over = [loads for loads, c in rows if loads[c] > min(loads) + SLACK]
+    over = _over(rows, SLACK)
     moved = sum(c == 1 and loads[1] > loads[0] for loads, c in rows)
     print(f"forged in-range slots under a live replica's name, 16 streams x 3: per decoder {per}, decisions moved "
           f"off the least loaded {moved}, largest spread at the decoders {spread}")
