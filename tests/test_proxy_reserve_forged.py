@@ -6,6 +6,7 @@ in-process proxies, stub decoders that hold their requests."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -90,6 +91,26 @@ def _run(url, streams, per_stream, decoders, sample=None):
     return [d.stats["decode"] - b for d, b in zip(decoders, before, strict=True)], max(spreads, default=0)
 
 
+@contextlib.contextmanager
+def _forging(r, key, field, value):
+    """An attacker rewriting ``field`` of hash ``key`` every 5 ms while the block runs (the replica's own
+    reservations and releases rewrite it too: the attacker keeps at it)."""
+    stop = threading.Event()
+
+    def keep_writing():
+        while not stop.is_set():
+            r.hset(key, field, value)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=keep_writing)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
 def _decisions(app, path):
     """Every row of ``app``'s decision log: (the loads it decided on, the position of the worker used)."""
     app.decision_log.flush()
@@ -123,20 +144,8 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value, tmp_pa
     reps, decoders, dec, r, ns = cluster
     (a, sa), (b, _) = reps
     field = f"{b.state.shared.replica_id}|decode|{dec[0]}"  # under a live replica's name
-    stop = threading.Event()
-
-    def keep_writing():  # B's own reservations and releases rewrite its field: the attacker keeps at it
-        while not stop.is_set():
-            r.hset(f"{ns}:reserved", field, value)
-            time.sleep(0.005)
-
-    t = threading.Thread(target=keep_writing)
-    t.start()
-    try:
+    with _forging(r, f"{ns}:reserved", field, value):
         per, spread = _run(sa.url, 4, 6, decoders)
-    finally:
-        stop.set()
-        t.join()
     assert min(per) >= 6, (per, spread)  # of 24
     rows = _decisions(a, tmp_path / "dec0.jsonl")
     late = a.state.shared.reserver.results["timeout"]  # as above: a late answer decides on later loads
@@ -153,20 +162,8 @@ def test_the_forged_share_is_bounded_by_the_slack(cluster, tmp_path):
     reps, decoders, dec, r, ns = cluster
     (a, sa), (b, _) = reps
     field = f"{b.state.shared.replica_id}|decode|{dec[0]}"
-    stop = threading.Event()
-
-    def keep_writing():
-        while not stop.is_set():
-            r.hset(f"{ns}:reserved", field, MAX_IN_FLIGHT)
-            time.sleep(0.005)
-
-    t = threading.Thread(target=keep_writing)
-    t.start()
-    try:
+    with _forging(r, f"{ns}:reserved", field, MAX_IN_FLIGHT):
         per, spread = _run(sa.url, 16, 3, decoders)
-    finally:
-        stop.set()
-        t.join()
     rows = _decisions(a, tmp_path / "dec0.jsonl")
     over = _over(rows, SLACK)
     moved = sum(c == 1 and loads[1] > loads[0] for loads, c in rows)

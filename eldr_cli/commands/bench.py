@@ -113,17 +113,13 @@ def sweep_cmd(
     """Same rates for several decode routers on one worker pool (switched via the proxy's /admin/policy);
     one table with % change vs round-robin and vs the best load balancer; Fig. 11 (and Fig. 13 if emulated)."""
     from eldr_cli.errors import EldrError
-    from eldr_cli.proxy.config import ADMIN_TOKEN_ENV, refuse_command_line_secrets
+    from eldr_cli.proxy.config import admin_token_from, refuse_command_line_secrets
 
     refuse_command_line_secrets(admin_token, None)  # visible to every user through `ps`
     names = [r.strip() for r in routers.split(",") if r.strip()]
     if not names:
         raise EldrError("--routers is empty")
-    token = os.environ.get(ADMIN_TOKEN_ENV) or None
-    if admin_token_file is not None:
-        from eldr_cli.proxy.replicas.auth import read_secret_file
-
-        token = read_secret_file(admin_token_file, "--admin-token-file").decode().strip()
+    token = admin_token_from(admin_token_file)
     _serve_common(out, url, prompts, rates, duration, warmup, max_tokens, burstiness, seed, timeout, True,
                   ignore_eos, model, mode, cluster, split, live, label, routers=names, tau=tau,
                   admin_token=token, force=force, wide=wide)

@@ -120,18 +120,23 @@ class ProxyConfig:
 
 
     def _resolve_admin_token(self) -> None:
-        from eldr_cli.proxy.replicas.auth import read_secret_file
-
-        if self.admin_token_file:
-            if self.admin_token is not None:
-                raise EldrError("give the admin token once: admin_token or --admin-token-file, not both")
-            self.admin_token = read_secret_file(self.admin_token_file, "--admin-token-file").decode()
-            self.admin_token_file = None
-        if self.admin_token is None:
-            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        self.admin_token = admin_token_from(self.admin_token_file, self.admin_token)
+        self.admin_token_file = None
 
 
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
+
+
+def admin_token_from(token_file: str | None, given: str | None = None) -> str | None:
+    """The admin token: ``given`` (a config file's), else the ``--admin-token-file`` (mode 600), else
+    ``$ELDR_ADMIN_TOKEN``; None when none is set. serve-proxy and the bench's client read it the same way."""
+    from eldr_cli.proxy.replicas.auth import read_secret_file
+
+    if token_file:
+        if given is not None:
+            raise EldrError("give the admin token once: admin_token or --admin-token-file, not both")
+        return read_secret_file(token_file, "--admin-token-file").decode()
+    return given if given is not None else os.environ.get(ADMIN_TOKEN_ENV) or None
 
 
 def refuse_command_line_secrets(admin_token: str | None, state: str | None) -> None:
