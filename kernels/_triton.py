@@ -41,3 +41,27 @@ def reduce_kernel(cache_ptr, bt_ptr, out_ptr, B, LE, BLOCK: tl.constexpr):
         v = tl.load(cache_ptr + blk * LE + offs, mask=m & (blk >= 0), other=0)
         acc += v.to(tl.int32)
     tl.store(out_ptr + r.to(tl.int64) * LE + offs, acc, mask=m)
+
+
+@triton.jit
+def accumulate_layers_kernel(words_ptr, picks_ptr, blocks_ptr, T, K, stride_l, stride_t, stride_k, L, E, num_blocks,
+                             ELEMS_PER_WORD: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """All MoE layers' picks of one forward in one launch: program (i, l) = BLOCK_T tokens of layer l,
+    the same per-cell atomics as :func:`accumulate_kernel` (one launch instead of L)."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    b = tl.load(blocks_ptr + t, mask=tm, other=num_blocks).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    m = tm[:, None] & km[None, :]
+    base = picks_ptr + layer.to(tl.int64) * stride_l
+    e = tl.load(base + t[:, None].to(tl.int64) * stride_t + kk[None, :] * stride_k, mask=m, other=-1).to(tl.int64)
+    m = m & (e >= 0) & (e < E) & (b[:, None] >= 0) & (b[:, None] < num_blocks)
+    idx = (b[:, None] * L + layer) * E + e
+    word = idx // ELEMS_PER_WORD
+    shift = ((idx % ELEMS_PER_WORD) * BITS).to(tl.int32)
+    inc = tl.full((BLOCK_T, BLOCK_K), 1, tl.int32) << shift
+    tl.atomic_add(words_ptr + word, inc, mask=m)

@@ -196,6 +196,32 @@ def accumulate(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.T
         accumulate_reference(sc.cache, topk_ids, token_blocks, layer)
 
 
+def accumulate_all(sc: SignatureCache, picks: torch.Tensor, token_blocks: torch.Tensor, backend: str = "auto") -> None:
+    """``accumulate`` of every MoE layer of one forward: ``picks`` [L, T, k] (layer l's top-k ids of the
+    forward's T tokens). On a GPU one Triton launch for all L layers (grid: token tiles x layers) instead of
+    L launches: after a forward replayed from a CUDA graph this is the plugin's only per-forward kernel
+    besides ``begin_forward``'s few tensor ops. Same cells, same counts as L calls of ``accumulate``."""
+    if not _use_triton(picks, backend):
+        for layer in range(picks.shape[0]):
+            accumulate_reference(sc.cache, picks[layer], token_blocks, layer)
+        return
+    from ._triton import accumulate_layers_kernel
+
+    L_picks, T, K = picks.shape
+    _, L, E = sc.cache.shape
+    T = min(T, token_blocks.shape[0])
+    if T == 0 or L_picks == 0:
+        return
+    if L_picks > L:
+        raise ValueError(f"picks has {L_picks} layers, the cache {L}")
+    item = sc.cache.element_size()
+    BLOCK_T = 64
+    BLOCK_K = max(1, 1 << (K - 1).bit_length())
+    accumulate_layers_kernel[(triton_cdiv(T, BLOCK_T), L_picks)](
+        sc.words, picks, token_blocks, T, K, picks.stride(0), picks.stride(1), picks.stride(2), L, E,
+        sc.num_blocks, ELEMS_PER_WORD=4 // item, BITS=8 * item, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
+
+
 # ---------------------------------------------------------------------------------------------
 # (b) reduce
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,31 @@ def test_accumulate_triton_equals_reference(bs, K, dtype):
     assert int(ref.cache[NB].abs().sum()) == 0  # padding tokens never counted
 
 
+@pytest.mark.parametrize("bs,K", [(16, 8), (256, 2)])
+def test_accumulate_all_layers_in_one_launch_equals_per_layer_calls(bs, K):
+    """The plugin's after-forward kernel: all L layers' picks (a [L, rows, K] buffer sliced to the forward's
+    T tokens, so not contiguous over layers) in one launch give the cells of L per-layer calls."""
+    g = torch.Generator().manual_seed(K)
+    NB, L, E = 19, 5, 16
+    per_layer = sck.SignatureCache.allocate(NB, L, E, bs, K)
+    fused = sck.SignatureCache.allocate(NB, L, E, bs, K)
+    torch_all = sck.SignatureCache.allocate(NB, L, E, bs, K)
+    for _step in range(2):
+        tb = _token_blocks(NB, bs, g, 4)
+        T = tb.numel()
+        buf = torch.full((L, T + 7, K), -1, dtype=torch.int32)  # like CaptureState.picks: rows beyond T
+        for layer in range(L):
+            buf[layer, :T] = _picks(T, E, K, g)
+        buf[2, 0, 0] = -1  # an invalid pick is skipped by all three
+        for layer in range(L):
+            sck.accumulate(per_layer, buf[layer, :T], tb, layer, backend="torch")
+        sck.accumulate_all(fused, buf[:, :T], tb, backend="triton")
+        sck.accumulate_all(torch_all, buf[:, :T], tb, backend="torch")
+    assert int(per_layer.cache.abs().sum()) > 0
+    assert torch.equal(per_layer.cache, fused.cache)
+    assert torch.equal(per_layer.cache, torch_all.cache)
+
+
 def test_accumulate_non_contiguous_ids_and_invalid_ids():
     g = torch.Generator().manual_seed(1)
     NB, L, E, K = 9, 2, 8, 2

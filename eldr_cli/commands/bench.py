@@ -171,7 +171,8 @@ def moe_layer_cmd(
     batches: str = typer.Option("1,4,16,64,128", "--batches", help="Batch sizes (tokens per step)."),
     actives: str = typer.Option("1,2,4,8,16,32,48,64", "--active", help="Distinct active experts per step."),
     repeats: int = typer.Option(7, "--repeats", min=1),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or fp8 (e4m3, grouped GEMM on a GPU "
+                                                          "of compute capability >= 9.0)."),
     threads: int = typer.Option(1, "--threads", min=1, help="torch threads (1 = steadier on a shared machine)."),
     device: str = typer.Option("auto", "--device", help="auto (the CUDA GPU when torch sees one, else this CPU), "
                                                         "cpu or cuda."),

@@ -54,6 +54,8 @@ class CostModel:
     # a GPU deployment (roofline): tp, ep, dtype, gpus_per_instance, kv_capacity_tokens, ...; None for a
     # measured model (no memory limit: decoders are not KV-capped)
     deployment: dict | None = field(default=None, hash=False)
+    kv_ms: float = 0.0    # per context token (KV read) per layer: a measured whole decode step has one
+    model: str | None = None  # the model whose layer was timed (a measured decode step); None: per layer/expert
 
     @property
     def ep_ranks(self) -> int:
@@ -87,7 +89,7 @@ class CostModel:
         experts summed over layers, B = requests, C = their summed context) as
         (const, kb, kt, m0, kv, kc, ka, has_roof). A linear model has no memory constant, KV or roof."""
         k0, kb, kt = self.coefficients(token_scale)
-        return (n_layers * k0, kb, n_layers * kt, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return (n_layers * k0, kb, n_layers * kt, 0.0, n_layers * self.kv_ms, 0.0, 0.0, 0.0)
 
     def as_params(self) -> dict:
         return asdict(self)
@@ -108,7 +110,7 @@ class CostModel:
         c = art.params["coefficients_ms"]
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
-                   top_k=art.params.get("top_k"))
+                   top_k=art.params.get("top_k"), kv_ms=c.get("kv", 0.0), model=art.params.get("model"))
 
 
 class ScaledCostModel:
@@ -139,10 +141,14 @@ def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict |
     from eldr_cli.artifacts.store import ArtifactWriter
 
     coeff = {"a": model.a_ms, "b": model.b_ms, "c": model.c_ms, "e": model.e_ms, "d": model.d_ms}
+    formula = "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)"
+    if model.kv_ms:
+        coeff["kv"] = model.kv_ms
+        formula += " + L*kv*sum(context)"
+    extra = {"model": model.model} if model.model else {}
     with ArtifactWriter(out, kind=KIND, params={
-        "kind": "moe-step",
-        "formula": "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)",
-        "coefficients_ms": coeff, "source": model.source, "device": model.device, **(params or {})}) as w:
+        "kind": "moe-step", "formula": formula, "coefficients_ms": coeff, "source": model.source,
+        "device": model.device, "top_k": model.top_k, **extra, **(params or {})}) as w:
         for name, df in (tables or {}).items():
             w.write_table(name, df)
         w.metrics.update(metrics or {})

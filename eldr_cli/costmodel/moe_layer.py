@@ -55,6 +55,7 @@ def resolve_device(device: str) -> str:
 
 
 BACKENDS = ("auto", "grouped", "loop")
+FP8 = ("fp8", "float8")  # e4m3 weights and activations, rowwise scales, bf16 out
 LAUNCHES = ("auto", "graph", "eager")
 
 
@@ -75,7 +76,19 @@ def resolve_backend(backend: str, launch: str, device: str, dtype: str) -> tuple
     if mode == "graph" and not gpu:
         raise EldrError("--launch graph: CUDA graphs need a CUDA GPU; on a CPU the layer is launched eagerly",
                         hint="use --launch eager (or auto) on a CPU")
-    if b == "grouped":
+    if dtype in FP8:
+        if not gpu:
+            raise EldrError("--dtype fp8 needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9); "
+                            "this run is on a CPU", hint="use --dtype float32 or bfloat16 on a CPU")
+        if torch.cuda.get_device_capability() < (9, 0) or not hasattr(torch, "_scaled_grouped_mm"):
+            raise EldrError(f"--dtype fp8 on {torch.cuda.get_device_name()} (compute capability "
+                            f"{torch.cuda.get_device_capability()}): the fp8 grouped GEMM "
+                            f"(torch._scaled_grouped_mm) runs on compute capability >= 9.0 with torch >= 2.8 "
+                            f"(this torch {torch.__version__})", hint="use --dtype bfloat16")
+        if backend == "loop":
+            raise EldrError("--dtype fp8 runs only as the grouped GEMM (torch._scaled_grouped_mm)",
+                            hint="use --backend grouped (or auto)")
+    if b == "grouped" and dtype not in FP8:
         if not hasattr(torch, "_grouped_mm"):
             raise EldrError(f"--backend grouped needs torch._grouped_mm, which torch {torch.__version__} lacks",
                             hint="use --backend loop, or torch >= 2.8")
@@ -83,7 +96,9 @@ def resolve_backend(backend: str, launch: str, device: str, dtype: str) -> tuple
             raise EldrError(f"--backend grouped on {torch.cuda.get_device_name()}: torch._grouped_mm runs bf16 on "
                             f"compute capability >= 9.0 (this GPU {torch.cuda.get_device_capability()}, "
                             f"--dtype {dtype})", hint="use --dtype bfloat16 on an H100/H200, or --backend loop")
-    what = {"grouped": "grouped GEMM over all experts, per-expert row offsets (torch._grouped_mm)",
+    what = {"grouped": "grouped GEMM over all experts, per-expert row offsets ("
+                       + ("fp8 e4m3, rowwise scales, torch._scaled_grouped_mm)" if dtype in FP8 else
+                          "torch._grouped_mm)"),
             "loop": "one matmul chain per active expert"}[b]
     how = {"graph": "replayed from a CUDA graph",
            "eager": "launched eagerly from Python" + (": LAUNCH-BOUND on a GPU (kernel launches, not weight reads)"
@@ -122,7 +137,11 @@ def _graphed(fn, *args):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn(*args)
-    return g.replay
+
+    def replay(_keep=(fn, args)):  # the graph reads its inputs' memory: keep them alive while it can replay
+        g.replay()
+
+    return replay
 
 
 def device_label(device: str) -> str:
@@ -148,9 +167,10 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
 
     if threads:
         torch.set_num_threads(threads)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    fp8 = dtype in FP8
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get("bfloat16" if fp8 else dtype)
     if dt is None:
-        raise EldrError(f"unknown --dtype {dtype!r}; expected float32 or bfloat16")
+        raise EldrError(f"unknown --dtype {dtype!r}; expected float32, bfloat16 or fp8")
     if min(num_experts, hidden, intermediate, top_k, repeats) < 1 or top_k > num_experts:
         raise EldrError("experts, hidden, intermediate, top-k and repeats must be >= 1, top-k <= experts")
     dev = torch.device(device)
@@ -164,6 +184,27 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     w_attn = (torch.randn(4, hidden, hidden, generator=g) * scale).to(dev, dt)
     rng = np.random.default_rng(seed)
 
+    # the grouped GEMM reads gate and up as one [E, H, 2I] bank, as fused MoE kernels do (w13)
+    w13 = torch.cat([w_gate, w_up], dim=2) if backend == "grouped" else None
+    if fp8:  # weights stored [E, N, K] (K contiguous) in e4m3, passed transposed as [E, K, N]; unit scales
+        f8 = torch.float8_e4m3fn
+        w8 = [w.transpose(1, 2).contiguous().to(f8) for w in (w13, w_down)]
+        s8 = [torch.ones(num_experts, w.shape[1], device=dev, dtype=torch.float32) for w in w8]
+
+    def moe_fp8(x, plan):
+        order, offs = plan
+        xs = x.index_select(0, order)
+        sa = torch.ones(xs.shape[0], device=dev, dtype=torch.float32)
+
+        def mm(a, i):
+            return torch._scaled_grouped_mm(a.to(f8), w8[i].transpose(1, 2), sa, s8[i], offs=offs,
+                                            out_dtype=torch.bfloat16)
+
+        h = mm(xs, 0)
+        out = torch.zeros_like(x)
+        out.index_add_(0, order, mm(torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:], 1))
+        return out
+
     def moe(x, routes):
         out = torch.zeros_like(x)
         for e, idx in routes:
@@ -175,8 +216,8 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     def moe_grouped(x, plan):
         order, offs = plan
         xs = x.index_select(0, order)
-        h = torch.nn.functional.silu(torch._grouped_mm(xs, w_gate, offs=offs)) * torch._grouped_mm(xs, w_up,
-                                                                                                   offs=offs)
+        h13 = torch._grouped_mm(xs, w13, offs=offs)
+        h = torch.nn.functional.silu(h13[:, :intermediate]) * h13[:, intermediate:]
         out = torch.zeros_like(x)
         out.index_add_(0, order, torch._grouped_mm(h, w_down, offs=offs))
         return out
@@ -195,7 +236,7 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     # token indices live on the device already, so a timed call copies nothing from the host
     routes = {(b, a): [(e, torch.from_numpy(toks).to(dev)) for e, toks in _routing(b, a, top_k, num_experts, rng)]
               for b, a in points}
-    layer, arg = (moe_grouped, {p: _grouped_plan(routes[p], num_experts, dev) for p in points}) \
+    layer, arg = ((moe_fp8 if fp8 else moe_grouped), {p: _grouped_plan(routes[p], num_experts, dev) for p in points}) \
         if backend == "grouped" else (moe, routes)
     with torch.inference_mode():
         call = {p: (_graphed(layer, inputs[p[0]], arg[p]) if launch == "graph" else

@@ -221,8 +221,7 @@ class CaptureState:
             self._off(f"a forward of {T} tokens exceeds the preallocated {self.picks.shape[1]}")
             return
         tb = sck.begin_forward(self.sc, slots, self.token_blocks)
-        for layer in range(self.layers):
-            sck.accumulate(self.sc, self.picks[layer, :T], tb, layer, backend=self.backend)
+        sck.accumulate_all(self.sc, self.picks[:, :T], tb, backend=self.backend)  # one launch for all layers
 
     def signatures(self, complete: list[tuple[str, list[int], int]]) -> dict[str, tuple[np.ndarray | None, int, str]]:
         """{req_id: (counts int32 [L, E] or None, prompt tokens, reason)} for requests whose prefill completed."""

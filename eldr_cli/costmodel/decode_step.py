@@ -1,0 +1,252 @@
+"""`eldr bench decode-step`: time one whole decoder layer of a decode step and fit the simulator's step form.
+
+A decode step of B requests is L decoder layers; one layer is, as a serving engine runs it::
+
+    RMSNorm -> QKV projection -> attention over each request's KV cache (the model's query and KV heads,
+    grouped-query) -> output projection (+ residual) -> RMSNorm -> router GEMM and top-k -> the MoE layer
+    over only the distinct experts the batch activates (+ residual)
+
+timed at a grid of (batch B, distinct active experts A, context C per request). On a GPU the layer is a
+grouped GEMM over all experts with per-expert row offsets (``torch._grouped_mm``, bf16) replayed from a
+CUDA graph, as engines replay decode steps; on a CPU the per-expert loop, launched eagerly (labelled).
+The routing of each point is fixed so that exactly A experts are active (the router GEMM and top-k still
+run, their result unused), so A is the measured variable, not a random outcome.
+
+The fit is the simulator's step form (``costmodel.step_ms_from_terms``) per layer::
+
+    layer_ms = k0 + kb * A + kt * B + kv * (B * C)          (non-negative least squares)
+
+so a step over L layers is ``L*k0 + kb * sum_l A_l + L*kt*B + L*kv*sum(context)``: the cost model's
+``a`` (k0), ``b`` (kb), ``c`` (kt) and ``kv`` coefficients. Residuals are stated per point. The artifact
+records the model, device, dtype, backend and launch, and is usable wherever a cost model is
+(``eldr bench simulate``, ``eldr report``, ``eldr serve-proxy --cost-model``); it is refused for a trace of
+another model (experts or top-k differ).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eldr_cli.errors import EldrError
+
+DEFAULT_BATCHES = (8, 64, 256)
+DEFAULT_ACTIVE = (8, 32, 64, 128)
+DEFAULT_CONTEXTS = (512, 2048, 8192)
+MAX_KV_TOKENS = 64 * 8192  # B * C cap per point: the KV cache of one point stays near 1 GB at Qwen3's heads
+
+
+def layer_shape(model: str, tp: int = 1) -> dict:
+    """One decoder layer's shape of a preset model (``eldr_cli.costmodel.presets.MODELS``) as one TP rank
+    holds it: query heads, KV heads (at least 1: vLLM replicates a KV head when TP exceeds them) and each
+    expert's intermediate size divided by ``tp``; experts, hidden size and top-k whole."""
+    from eldr_cli.costmodel.presets import model_config
+
+    name, cfg = model_config(model)
+    if "q_lora_rank" in cfg:
+        raise EldrError(f"{name} uses MLA attention, which the timed decoder layer (grouped-query attention) "
+                        "does not model", hint="time a GQA model (Qwen3-30B-A3B, Llama-4-Maverick, ...)")
+    if tp < 1:
+        raise EldrError("--tp must be >= 1")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
+        inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
+        hidden, top_k = int(cfg["hidden_size"]), int(cfg["num_experts_per_tok"])
+        n_layers = int(cfg["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EldrError(f"--model {model}: not an MoE config with heads, experts and top-k ({e!r} missing)") from None
+    if heads % tp or inter % tp:
+        raise EldrError(f"--tp {tp} does not divide {name}'s {heads} query heads and expert width {inter}")
+    return {"model": name, "tp": tp, "hidden": hidden, "heads": heads // tp, "kv_heads": max(1, kv // tp),
+            "head_dim": int(cfg.get("head_dim") or hidden // heads), "num_experts": experts,
+            "intermediate": inter // tp, "top_k": top_k, "n_layers": n_layers}
+
+
+def grid(batches, actives, contexts, top_k: int, num_experts: int, max_kv_tokens: int = MAX_KV_TOKENS):
+    """The timed (batch, active, context) points: A <= min(E, B * top_k), B * C <= ``max_kv_tokens``."""
+    return [(b, a, c) for b in batches for c in contexts for a in actives
+            if a <= min(num_experts, b * top_k) and b * c <= max_kv_tokens]
+
+
+def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, contexts=DEFAULT_CONTEXTS,
+                     device: str = "cpu", dtype: str | None = None, backend: str = "auto", launch: str = "auto",
+                     repeats: int = 20, seed: int = 0, max_kv_tokens: int = MAX_KV_TOKENS, compile: bool = False,
+                     progress=None) -> tuple[list[dict], dict]:
+    """(rows, facts): one row per point {batch, active_experts, context, kv_tokens, ms} (median of
+    ``repeats`` timed calls after warm-up; CUDA events on a GPU, the wall clock on a CPU). ``compile``: the
+    layer through ``torch.compile`` (inductor fuses the norms, SiLU-and-mul and residual adds, as vLLM
+    compiles its models) before the CUDA graph captures it; else the layer's torch ops as they are."""
+    import torch
+
+    from eldr_cli.costmodel.moe_layer import _graphed, _grouped_plan, _routing, resolve_backend
+
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    backend, launch, how = resolve_backend(backend, launch, device, dtype)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise EldrError(f"unknown --dtype {dtype!r} for the decode step; expected float32 or bfloat16")
+    points = grid(batches, actives, contexts, shape["top_k"], shape["num_experts"], max_kv_tokens)
+    if len(points) < 4:
+        raise EldrError(f"only {len(points)} (batch, active, context) points are timeable (active <= experts "
+                        f"and batch * top-k; batch * context <= {max_kv_tokens}); the fit needs at least 4")
+    dev = torch.device(device)
+    E, H, I, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
+    nq, nkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator(device=dev).manual_seed(seed)  # drawn where they live: GBs of KV cache on a GPU
+
+    def w(*s, fan):
+        return (torch.randn(*s, generator=g, device=dev, dtype=dt) * fan ** -0.5).to(dt)
+
+    w_qkv, w_o, w_router = w(H, (nq + 2 * nkv) * hd, fan=H), w(nq * hd, H, fan=nq * hd), w(H, E, fan=H)
+    w13, w_down = w(E, H, 2 * I, fan=H), w(E, I, H, fan=I)  # gate and up as one bank, as fused MoE kernels
+    rng = np.random.default_rng(seed)
+
+    def rms(x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def attention(q, kc, vc):
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
+        except (TypeError, RuntimeError):  # a torch without GQA in SDPA: repeat the KV heads
+            r = nq // nkv
+            return torch.nn.functional.scaled_dot_product_attention(q, kc.repeat_interleave(r, 1),
+                                                                    vc.repeat_interleave(r, 1))
+
+    def moe(h, plan):
+        if backend == "grouped":
+            order, offs = plan
+            h13 = torch._grouped_mm(h.index_select(0, order), w13, offs=offs)
+            out = torch.zeros_like(h)
+            out.index_add_(0, order, torch._grouped_mm(torch.nn.functional.silu(h13[:, :I]) * h13[:, I:], w_down,
+                                                       offs=offs))
+            return out
+        out = torch.zeros_like(h)
+        for e, idx in plan:
+            h13 = h.index_select(0, idx) @ w13[e]
+            out.index_add_(0, idx, (torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]) @ w_down[e])
+        return out
+
+    def layer(x, kc, vc, plan):
+        B = x.shape[0]
+        qkv = rms(x) @ w_qkv
+        q = qkv[:, : nq * hd].reshape(B, nq, 1, hd)
+        x = x + attention(q, kc, vc).reshape(B, nq * hd) @ w_o
+        h = rms(x)
+        torch.topk(h @ w_router, k, dim=-1)  # the router's work; the points' routing is fixed (see above)
+        return x + moe(h, plan)
+
+    run = torch.compile(layer, dynamic=False) if compile else layer
+    kv = {}
+    for b, _, c in points:
+        if (b, c) not in kv:
+            kv[(b, c)] = (w(b, nkv, c, hd, fan=1), w(b, nkv, c, hd, fan=1))
+    xs = {b: w(b, H, fan=1) for b in {p[0] for p in points}}
+    calls = {}
+    with torch.inference_mode():
+        for b, a, c in points:
+            routes = [(e, torch.from_numpy(t).to(dev)) for e, t in _routing(b, a, k, E, rng)]
+            plan = _grouped_plan(routes, E, dev) if backend == "grouped" else routes
+            args = (xs[b], *kv[(b, c)], plan)
+            calls[(b, a, c)] = _graphed(run, *args) if launch == "graph" else (lambda args=args: run(*args))
+    timer = _cuda_median if dev.type == "cuda" else _wall_median
+    rows = []
+    with torch.inference_mode():
+        for i, (b, a, c) in enumerate(points):
+            rows.append({"batch": b, "active_experts": a, "context": c, "kv_tokens": b * c,
+                         "ms": timer(calls[(b, a, c)], repeats)})
+            if progress:
+                progress(i + 1, len(points))
+    if compile:
+        how += "; the layer compiled by torch.compile (inductor) first"
+    facts = {**shape, "dtype": dtype, "backend": backend, "launch": launch, "timed": how, "repeats": repeats,
+             "compiled": bool(compile),
+             "torch": torch.__version__, "device_type": dev.type,
+             "layer": "RMSNorm, QKV, attention over the KV cache (GQA, SDPA), O + residual, RMSNorm, router "
+                      "GEMM + top-k, MoE (gate/up, SiLU, down) + residual"}
+    return rows, facts
+
+
+def _cuda_median(fn, n: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return float(np.median(out))
+
+
+def _wall_median(fn, n: int) -> float:
+    fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(out))
+
+
+def fit_decode_step(rows: list[dict]) -> tuple[dict, dict, list[dict]]:
+    """Non-negative least squares ``ms ~ k0 + kb*A + kt*B + kv*(B*C)`` over the rows. Returns (coefficients
+    {k0, kb, kt, kv} in ms, fit summary, rows with ``fit_ms`` and ``rel_residual``)."""
+    from scipy.optimize import nnls
+
+    X = np.array([[1.0, r["active_experts"], r["batch"], r["batch"] * r["context"]] for r in rows])
+    y = np.array([r["ms"] for r in rows])
+    # scale the columns so NNLS treats them alike (kv's column is ~1e6 times the others)
+    s = np.maximum(np.abs(X).max(axis=0), 1e-12)
+    coef, _ = nnls(X / s, y)
+    coef = coef / s
+    pred = X @ coef
+    rel = (pred - y) / np.maximum(y, 1e-12)
+    out = [{**r, "fit_ms": float(p), "rel_residual": float(e)} for r, p, e in zip(rows, pred, rel, strict=True)]
+    r2 = 1 - float(((y - pred) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
+    summary = {"r2": r2, "median_abs_rel_error": float(np.median(np.abs(rel))),
+               "max_abs_rel_error": float(np.abs(rel).max()), "points": len(rows)}
+    return dict(zip(("k0", "kb", "kt", "kv"), map(float, coef), strict=True)), summary, out
+
+
+def cost_model_of(coef: dict, shape: dict, device: str):
+    from eldr_cli.costmodel import CostModel
+
+    return CostModel(a_ms=coef["k0"], b_ms=coef["kb"], c_ms=coef["kt"], kv_ms=coef["kv"],
+                     source="measured-decode-step", device=device, top_k=shape["top_k"], model=shape["model"])
+
+
+def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp: int = 1, batches=DEFAULT_BATCHES,
+                    actives=DEFAULT_ACTIVE, contexts=DEFAULT_CONTEXTS, device: str = "auto", dtype: str | None = None,
+                    backend: str = "auto", launch: str = "auto", repeats: int = 20, seed: int = 0,
+                    shape: dict | None = None, progress=None) -> Path:
+    """Time, fit and write a `cost-model` artifact (source ``measured-decode-step``). ``shape`` overrides
+    the preset's layer shape (tests time a small layer on a CPU)."""
+    import polars as pl
+
+    from eldr_cli.costmodel import write_cost_model
+    from eldr_cli.costmodel.moe_layer import device_label, resolve_device
+
+    dev = resolve_device(device)
+    shape = dict(shape) if shape is not None else layer_shape(model, tp)
+    t0 = time.perf_counter()
+    rows, facts = time_decode_step(shape, batches=batches, actives=actives, contexts=contexts, device=dev,
+                                   dtype=dtype, backend=backend, launch=launch, repeats=repeats, seed=seed,
+                                   progress=progress)
+    coef, fit, rows = fit_decode_step(rows)
+    label = device_label(dev)
+    cm = cost_model_of(coef, shape, label)
+    metrics = {**{f"fit_{k}": v for k, v in fit.items()}, "measure_s": round(time.perf_counter() - t0, 2)}
+    return write_cost_model(out, cm, params={**facts, "label": "MEASURED", "n_layers": shape["n_layers"],
+                                             "batches": list(batches), "actives": list(actives),
+                                             "contexts": list(contexts), "seed": seed},
+                            metrics=metrics, tables={"decode_step_timings": pl.DataFrame(rows)})
