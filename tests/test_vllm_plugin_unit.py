@@ -77,7 +77,7 @@ def test_capture_only_copies_and_rows_change_only_in_a_bound_step():
     assert int(st.picks[0].abs().sum()) == 0
 
 
-def test_graph_captured_workers_are_refused_compiled_ones_allowed():
+def test_graph_captured_workers_are_allowed_unless_switched_off(monkeypatch):
     from enum import Enum
     from types import SimpleNamespace
 
@@ -91,7 +91,12 @@ def test_graph_captured_workers_are_refused_compiled_ones_allowed():
         return SimpleNamespace(compilation_config=SimpleNamespace(mode=3, cudagraph_mode=cg))
 
     assert _graph_mode(cfg(Graph.NONE)) is None  # eager or torch.compile without CUDA graphs
-    assert "PIECEWISE" in _graph_mode(cfg(Graph.PIECEWISE)) and "--enforce-eager" in _graph_mode(cfg(Graph.PIECEWISE))
+    monkeypatch.delenv("ELDR_SIGNATURES_CUDAGRAPHS", raising=False)
+    assert _graph_mode(cfg(Graph.PIECEWISE)) is None  # the hook replays inside CUDA graphs (gpu-check)
+    monkeypatch.setenv("ELDR_SIGNATURES_CUDAGRAPHS", "0")  # the operator's switch back to refusing
+    why = _graph_mode(cfg(Graph.PIECEWISE))
+    assert "PIECEWISE" in why and "ELDR_SIGNATURES_CUDAGRAPHS=0" in why and "--enforce-eager" in why
+    assert _graph_mode(cfg(Graph.NONE)) is None
     dp = cfg(Graph.NONE)
     dp.parallel_config = SimpleNamespace(data_parallel_size=2)
     assert "data parallelism" in _graph_mode(dp)
