@@ -223,6 +223,76 @@ def moe_layer_cmd(
     console.print(f"-> {out} (fig2_moe_layer.png, moe_timings.parquet)")
 
 
+@bench_app.command("decode-step")
+def decode_step_cmd(
+    out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
+    model: str = typer.Option("Qwen3-30B-A3B", "--model", help="A preset (Qwen3-30B-A3B, Llama-4-Maverick, ...) or "
+                              "a Hugging Face config.json: the timed layer's heads, KV heads, experts, widths."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Time one tensor-parallel rank's share of the layer."),
+    from_measured: Optional[str] = typer.Option(None, "--from-measured", help="No timing: fit the decode layer "
+                                                "measured on this GPU preset (H100-SXM or H200) and shipped with "
+                                                "eldr (Qwen3-30B-A3B TP1)."),
+    batches: str = typer.Option("8,64,256", "--batches", help="Batch sizes (running requests)."),
+    actives: str = typer.Option("8,32,64,128", "--active", help="Distinct active experts per layer."),
+    contexts: str = typer.Option("512,2048,8192", "--contexts", help="Context tokens per request."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 (GPU default) or float32 (CPU default)."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Compile the layer with "
+                                           "torch.compile before the CUDA graph, as vLLM does (default: on a GPU)."),
+    repeats: int = typer.Option(20, "--repeats", min=1),
+    seed: int = SEED,
+    force: bool = FORCE,
+) -> None:
+    """Time one whole decoder layer (attention over a KV cache, projections, router, MoE over only the active
+    experts) at batch x active experts x context, in a CUDA graph on a GPU; fit the simulator's step form
+    k0 + kb*active + kt*batch + kv*KV tokens per layer; write a cost model for simulate, report, serve-proxy."""
+    from eldr_cli.artifacts.guard import check_output
+    from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.console import console
+    from eldr_cli.costmodel import decode_step as ds
+    from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device
+    from eldr_cli.errors import EldrError
+
+    def ints(s, name):
+        try:
+            v = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
+        if not v or min(v) < 1:
+            raise EldrError(f"--{name} must be positive integers, got {s!r}")
+        return v
+
+    if from_measured:
+        ds.shipped_rows(from_measured, model, tp)  # fails before anything is written
+        check_output(out, "cost-model", force=force or None)
+        with replacing(out, force):
+            ds.run_decode_step_from_measured(out, device=from_measured, model=model, tp=tp,
+                                             compiled=compile is not False)
+    else:
+        grid = ints(batches, "batches"), ints(actives, "active"), ints(contexts, "contexts")
+        shape = ds.layer_shape(model, tp)
+        dev = resolve_device(device)
+        resolve_backend("auto", "auto", dev, dtype or ("bfloat16" if dev == "cuda" else "float32"))
+        if len(ds.grid(*grid, shape["top_k"], shape["num_experts"])) < 4:
+            raise EldrError("fewer than 4 timeable (batch, active, context) points: the fit needs 4",
+                            hint="active <= experts and batch x top-k; batch x context <= 524,288")
+        check_output(out, "cost-model", force=force or None)  # before minutes of timing
+        with console.status("timing the decoder layer ...") as st, replacing(out, force):
+            ds.run_decode_step(out, model=model, tp=tp, batches=grid[0], actives=grid[1], contexts=grid[2],
+                               device=dev, dtype=dtype, repeats=repeats, seed=seed, compile=compile,
+                               progress=lambda i, n: st.update(f"timing the decoder layer: point {i}/{n}"))
+    a = Artifact(out)
+    c, m = a.params["coefficients_ms"], a.metrics
+    console.print(f"cost model (MEASURED decode step: one {a.params['model']} TP{a.params['tp']} layer on "
+                  f"{a.params['device']}; {a.params['timed']}): per layer [bold]{c['a'] * 1e3:.1f} + "
+                  f"{c['b'] * 1e3:.2f}*active + {c['c'] * 1e3:.3f}*requests us + {c['kv'] * 1e6:.3f} ns per KV "
+                  f"token[/]; {m['fit_points']} points, median |residual| {100 * m['fit_median_abs_rel_error']:.1f}%, "
+                  f"max {100 * m['fit_max_abs_rel_error']:.1f}%")
+    if "kv_capacity_tokens" not in a.params:
+        console.print("no KV capacity: the GPU is not a preset (H100-SXM, H200), so decoders are not KV-capped")
+    console.print(f"-> {out} (decode_step_timings.parquet)")
+
+
 @bench_app.command("cost-model")
 def cost_model_cmd(
     model: str = typer.Option(..., "--model", help="A Hugging Face config.json (or its directory) or a preset: "

@@ -108,7 +108,11 @@ class CostModel:
 
             return RooflineCostModel.from_params(art.params)
         c = art.params["coefficients_ms"]
-        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
+        p = art.params
+        # a measured decode step on a known GPU carries its deployment (KV capacity per instance)
+        dep = {**p.get("deployment", {}), "kv_capacity_tokens": p["kv_capacity_tokens"]} \
+            if "kv_capacity_tokens" in p else None
+        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0), deployment=dep,
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
                    top_k=art.params.get("top_k"), kv_ms=c.get("kv", 0.0), model=art.params.get("model"))
 
@@ -134,6 +138,22 @@ class ScaledCostModel:
 
     def __getattr__(self, name: str):
         return getattr(self.base, name)
+
+
+MODEL_BOUND = ("roofline", "measured-decode-step")  # cost-model sources that describe one model's whole layer
+
+
+def model_mismatch(params: dict, n_layers: int, num_experts: int) -> str | None:
+    """Why a cost model (its artifact ``params``) does not describe a model of ``n_layers`` MoE layers and
+    ``num_experts`` experts, or None. A measured MoE layer alone (``bench moe-layer``) is per layer and per
+    expert, usable for any model; a roofline or a measured whole decode step describes one model."""
+    if params.get("source") not in MODEL_BOUND:
+        return None
+    L, E = params.get("n_layers"), params.get("num_experts")
+    if (L, E) == (n_layers, num_experts):
+        return None
+    what = "roofline" if params.get("source") == "roofline" else "measured decode step"
+    return f"is a {what} of {params.get('model')} (L={L}, E={E}), not of a model with L={n_layers}, E={num_experts}"
 
 
 def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,

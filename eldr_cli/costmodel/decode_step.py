@@ -57,7 +57,9 @@ def layer_shape(model: str, tp: int = 1) -> dict:
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
         inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
         hidden, top_k = int(cfg["hidden_size"]), int(cfg["num_experts_per_tok"])
-        n_layers = int(cfg["num_hidden_layers"])
+        from eldr_cli.costmodel.roofline import model_facts
+
+        n_layers = int(model_facts(cfg).moe_layers)  # a step is n_layers of the timed layer: the MoE layers
     except (KeyError, TypeError, ValueError) as e:
         raise EldrError(f"--model {model}: not an MoE config with heads, experts and top-k ({e!r} missing)") from None
     if heads % tp or inter % tp:
@@ -225,12 +227,75 @@ def cost_model_of(coef: dict, shape: dict, device: str):
                      source="measured-decode-step", device=device, top_k=shape["top_k"], model=shape["model"])
 
 
+# shipped `make gpu-check` measurements (eldr_cli/data/gpu/) with the measured whole decode layer, by device preset
+MEASURED_FILES = {"H100-SXM": "h100_gpu_check.json", "H200": "h200_gpu_check.json"}
+MEASURED_PROVENANCE = ("MEASURED 2026-11-27 by `make gpu-check` (eldr 79bccd0; torch 2.11.0+cu130, triton 3.6.0), "
+                       "CUDA-event medians of 20 CUDA-graph replays")
+# (model, tp) -> gpu_check section of a whole decoder layer; compiled (torch.compile + CUDA graph) first
+MEASURED_LAYERS = {("Qwen3-30B-A3B", 1): {True: "decode_step_compiled", False: "decode_step"}}
+
+
+def gpu_preset(gpu_name: str) -> str | None:
+    """The device preset of a CUDA device name (H100 -> H100-SXM, H200 -> H200), else None."""
+    return "H200" if "H200" in gpu_name else ("H100-SXM" if "H100" in gpu_name else None)
+
+
+def deployment_params(model: str, preset: str | None, tp: int, dtype: str = "bf16") -> dict:
+    """The deployment keys a cost model carries (KV capacity per instance, GPUs, TP, ...) for ``model`` on a
+    device preset, as ``eldr bench cost-model`` computes them; {} without a preset (no KV cap, said)."""
+    if preset is None:
+        return {}
+    from eldr_cli.costmodel.roofline import build
+    from eldr_cli.pipeline.capacity_verdict import DEPLOYMENT_KEYS
+
+    _, _, _, d = build(model, device=preset, dtype=dtype, tp=tp)
+    dep = d.as_params()
+    return {**{k: dep[k] for k in DEPLOYMENT_KEYS}, "deployment": dep}
+
+
+def shipped_rows(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1, compiled: bool = True) -> tuple[list, dict]:
+    """(rows, section) of the shipped measured decode layer of ``model`` at TP ``tp`` on a device preset."""
+    import json
+
+    from eldr_cli.costmodel.calibration import DATA
+    from eldr_cli.costmodel.presets import device_facts, model_config
+
+    preset, _, _, _ = device_facts(device)
+    name, _ = model_config(model)
+    if preset not in MEASURED_FILES or (name, tp) not in MEASURED_LAYERS:
+        have = ", ".join(f"{m} TP{t}" for m, t in MEASURED_LAYERS)
+        raise EldrError(f"no shipped decode-step measurement of {name} TP{tp} on {preset}",
+                        hint=f"shipped: {have} on {', '.join(MEASURED_FILES)}; or time one on your GPU: "
+                             "eldr bench decode-step --device cuda")
+    doc = json.loads((DATA / MEASURED_FILES[preset]).read_text())
+    sec = doc[MEASURED_LAYERS[(name, tp)][compiled]]
+    return [{k: r[k] for k in ("batch", "active_experts", "context", "kv_tokens", "ms")} for r in sec["rows"]], \
+        {**sec, "gpu": doc["device"], "preset": preset}
+
+
+def run_decode_step_from_measured(out: str | os.PathLike, *, device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
+                                  compiled: bool = True) -> Path:
+    """A `cost-model` artifact from a decode layer measured on a GPU and shipped with eldr (no GPU needed)."""
+    import polars as pl
+
+    from eldr_cli.costmodel import write_cost_model
+
+    rows, sec = shipped_rows(device, model, tp, compiled)
+    coef, fit, rows = fit_decode_step(rows)
+    shape = sec["shape"]
+    cm = cost_model_of(coef, shape, f"cuda ({sec['gpu']})")
+    return write_cost_model(out, cm, params={
+        **shape, "label": "MEASURED", "timed": sec["timed"], "compiled": compiled, "measured": MEASURED_PROVENANCE,
+        "measured_file": MEASURED_FILES[sec["preset"]], **deployment_params(shape["model"], sec["preset"], tp)},
+        metrics={f"fit_{k}": v for k, v in fit.items()}, tables={"decode_step_timings": pl.DataFrame(rows)})
+
+
 def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp: int = 1, batches=DEFAULT_BATCHES,
                     actives=DEFAULT_ACTIVE, contexts=DEFAULT_CONTEXTS, device: str = "auto", dtype: str | None = None,
                     backend: str = "auto", launch: str = "auto", repeats: int = 20, seed: int = 0,
-                    shape: dict | None = None, progress=None) -> Path:
+                    compile: bool | None = None, shape: dict | None = None, progress=None) -> Path:
     """Time, fit and write a `cost-model` artifact (source ``measured-decode-step``). ``shape`` overrides
-    the preset's layer shape (tests time a small layer on a CPU)."""
+    the preset's layer shape (tests time a small layer on a CPU). ``compile`` None: on a GPU (as vLLM runs)."""
     import polars as pl
 
     from eldr_cli.costmodel import write_cost_model
@@ -238,15 +303,22 @@ def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp:
 
     dev = resolve_device(device)
     shape = dict(shape) if shape is not None else layer_shape(model, tp)
+    compile = (dev == "cuda") if compile is None else compile
     t0 = time.perf_counter()
     rows, facts = time_decode_step(shape, batches=batches, actives=actives, contexts=contexts, device=dev,
                                    dtype=dtype, backend=backend, launch=launch, repeats=repeats, seed=seed,
-                                   progress=progress)
+                                   compile=compile, progress=progress)
     coef, fit, rows = fit_decode_step(rows)
     label = device_label(dev)
     cm = cost_model_of(coef, shape, label)
     metrics = {**{f"fit_{k}": v for k, v in fit.items()}, "measure_s": round(time.perf_counter() - t0, 2)}
-    return write_cost_model(out, cm, params={**facts, "label": "MEASURED", "n_layers": shape["n_layers"],
-                                             "batches": list(batches), "actives": list(actives),
-                                             "contexts": list(contexts), "seed": seed},
+    preset = None
+    if dev == "cuda" and facts["dtype"] == "bfloat16":
+        import torch
+
+        preset = gpu_preset(torch.cuda.get_device_name())
+    dep = deployment_params(shape["model"], preset, shape["tp"]) if preset else {}
+    return write_cost_model(out, cm, params={**facts, "label": "MEASURED", "batches": list(batches),
+                                             "actives": list(actives), "contexts": list(contexts), "seed": seed,
+                                             **dep},
                             metrics=metrics, tables={"decode_step_timings": pl.DataFrame(rows)})

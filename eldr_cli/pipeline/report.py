@@ -64,6 +64,12 @@ def cost_provenance(cost_model) -> str:
     from eldr_cli.artifacts.store import Artifact
 
     p = Artifact(cost_model).params
+    if p.get("source") == "measured-decode-step":
+        how = "torch.compile + CUDA graph" if p.get("compiled") else (
+            "CUDA graph" if p.get("launch") == "graph" or p.get("measured") else "launched eagerly")
+        shipped = " (shipped with eldr)" if p.get("measured") else ""
+        return (f"MEASURED decode step: one {p.get('model')} TP{p.get('tp', 1)} decoder layer ({how}) on "
+                f"{p.get('device', 'cpu')}{shipped}")
     if p.get("source") != "roofline":
         return f"MEASURED cost model ({p.get('source', 'measured')}) on {p.get('device', 'cpu')}"
     cal = p.get("calibration") or {}

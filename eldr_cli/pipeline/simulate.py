@@ -48,17 +48,15 @@ def trace_items(replay: TraceReplay, split: str | None) -> tuple[list[PromptItem
 
 
 def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
-    """A roofline cost model describes one model: refuse it for a trace of another (L or E differ)."""
+    """A roofline or a measured decode step describes one model: refuse it for a trace of another (L or E)."""
     from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.costmodel import model_mismatch
 
-    p = Artifact(cost_model).params
-    if p.get("source") != "roofline":
-        return  # a measured layer cost model is model-agnostic per layer and per expert
-    L, E = p.get("n_layers"), p.get("num_experts")
-    if (L, E) != (replay.n_layers, replay.num_experts):
-        raise EldrError(f"the cost model {cost_model} is of {p.get('model')} (L={L}, E={E}) but the trace has "
-                        f"L={replay.n_layers}, E={replay.num_experts}",
-                        hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ...")
+    why = model_mismatch(Artifact(cost_model).params, replay.n_layers, replay.num_experts)
+    if why:  # a measured MoE layer alone is model-agnostic per layer and per expert: never refused
+        raise EldrError(f"the cost model {cost_model} {why} (the trace's)",
+                        hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ... "
+                             "(or eldr bench decode-step on its GPU)")
 
 
 def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, prompts: str | Path | None = None,

@@ -50,16 +50,15 @@ def load_step_cost(path: str | None, model: RoutingModel | None) -> Any:
     if path is None:
         return None
     from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.costmodel import CostModel
+    from eldr_cli.costmodel import CostModel, model_mismatch
     from eldr_cli.errors import EldrError
 
     cost = CostModel.load(path)
-    p = Artifact(path).params
-    shape = (p.get("n_layers"), p.get("num_experts"))
-    if model is not None and p.get("source") == "roofline" and shape != model.shape:
-        raise EldrError(f"--cost-model {path} describes {p.get('model')} (L={shape[0]}, E={shape[1]}) but the "
-                        f"routing artifact is of a model with L={model.shape[0]}, E={model.shape[1]}",
-                        hint="write a cost model of the served model: eldr bench cost-model --model CONFIG")
+    why = model_mismatch(Artifact(path).params, *model.shape) if model is not None else None
+    if why:
+        raise EldrError(f"--cost-model {path} {why}: the routing artifact's model",
+                        hint="write a cost model of the served model: eldr bench cost-model --model CONFIG "
+                             "(or eldr bench decode-step on its GPU)")
     return cost
 
 
