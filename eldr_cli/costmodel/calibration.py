@@ -21,11 +21,12 @@ if TYPE_CHECKING:
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 SOURCE = ("MEASURED 2026-11-26 on one NVIDIA H100 80GB HBM3 and one NVIDIA H200, torch 2.11.0+cu130, CUDA-event "
-          "medians of CUDA-graph replays (eldr shared/data/gpu: gpu_check3.py, gpu_check4.py, gpu_check5.py)")
+          "medians of CUDA-graph replays (eldr shared/data/gpu: gpu_check3.py, gpu_check4.py, gpu_check5.py); "
+          "H200 decode attention MEASURED 2026-11-27 by make gpu-check")
 # measured table -> the (model, TP, dtype) shapes of its rows: moe rows are (shape key, batch, active, ms)
 MOE_TABLES = {"H100-SXM": ("h100_moe_layer_graph.json", "h100_maverick_tp8_rank.json"),
               "H200": ("h200_moe_layer_graph.json",)}
-ATTENTION_TABLES = {"H100-SXM": "h100_decode_attention.json"}
+ATTENTION_TABLES = {"H100-SXM": "h100_decode_attention.json", "H200": "h200_decode_attention.json"}
 MIN_BATCH = 8  # rows below it are launch/latency-bound and not used (nor claimed)
 
 
