@@ -23,6 +23,7 @@ help:
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
+	@echo "make gpu-check  on one CUDA GPU, ~70 s: what the GPU claims rest on (GPU_PYTHON=python3 without a venv)"
 
 # -- environment ---------------------------------------------------------------------------
 venv: $(STAMP)
@@ -198,8 +199,9 @@ bench-report: venv  ## eldr report end to end: verdict table + wall time (genera
 	$(BIN)/python benchmarks/bench_report.py --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
 .PHONY: gpu-check
-gpu-check: venv  ## on one CUDA GPU (< 3 min, no vLLM, no downloads): capture kernels vs reference, eager vs graph; moe-layer grouped (graph) vs loop (eager); decode attention; the calibrated roofline's error
-	$(BIN)/python benchmarks/gpu_check.py --out bench-results/gpu_check.json
+# GPU_PYTHON=python3: a Python that has torch and triton (a GPU machine without network: no .venv needed)
+gpu-check: $(if $(GPU_PYTHON),,venv)  ## on one CUDA GPU (~1.5 min, no vLLM, no downloads): capture kernels, moe-layer grouped bf16/fp8 vs loop, decode attention, the whole decode layer, the plugin's hook in CUDA graphs, the roofline's error
+	$(or $(GPU_PYTHON),$(BIN)/python) benchmarks/gpu_check.py --out bench-results/gpu_check.json
 
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 7 routers incl. oracle), its TPOT report, load-generator lag, emulator agreement

@@ -108,10 +108,10 @@ class CostModel:
 
             return RooflineCostModel.from_params(art.params)
         c = art.params["coefficients_ms"]
-        p = art.params
+        ap = art.params
         # a measured decode step on a known GPU carries its deployment (KV capacity per instance)
-        dep = {**p.get("deployment", {}), "kv_capacity_tokens": p["kv_capacity_tokens"]} \
-            if "kv_capacity_tokens" in p else None
+        dep = {**ap.get("deployment", {}), "kv_capacity_tokens": ap["kv_capacity_tokens"]} \
+            if "kv_capacity_tokens" in ap else None
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0), deployment=dep,
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
                    top_k=art.params.get("top_k"), kv_ms=c.get("kv", 0.0), model=art.params.get("model"))

@@ -54,8 +54,8 @@ def layer_shape(model: str, tp: int = 1) -> dict:
     try:
         heads = int(cfg["num_attention_heads"])
         kv = int(cfg.get("num_key_value_heads") or heads)
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
-        inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size"))
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"])
+        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         hidden, top_k = int(cfg["hidden_size"]), int(cfg["num_experts_per_tok"])
         from eldr_cli.costmodel.roofline import model_facts
 

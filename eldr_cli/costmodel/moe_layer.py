@@ -188,6 +188,7 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     w13 = torch.cat([w_gate, w_up], dim=2) if backend == "grouped" else None
     if fp8:  # weights stored [E, N, K] (K contiguous) in e4m3, passed transposed as [E, K, N]; unit scales
         f8 = torch.float8_e4m3fn
+        assert w13 is not None  # fp8 is grouped only (resolve_backend)
         w8 = [w.transpose(1, 2).contiguous().to(f8) for w in (w13, w_down)]
         s8 = [torch.ones(num_experts, w.shape[1], device=dev, dtype=torch.float32) for w in w8]
 
