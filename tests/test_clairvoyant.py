@@ -95,3 +95,37 @@ def test_not_servable_and_needs_the_future():
         check_policy("clairvoyant", servable=True)
     with pytest.raises(EldrError, match="true decode activations"):
         make_router("clairvoyant", 2, model=_model(), oracle=None)
+
+
+def test_bench_simulate_and_replay_run_the_clairvoyant_row(tmp_path):
+    """`bench simulate --routers ...,clairvoyant` and `bench replay --policies ...,clairvoyant` on a GENERATED
+    trace: the row is there, served every request, and (replay) activates no more experts per step than
+    round-robin at the larger batch."""
+    import json
+
+    from eldr_cli.main import run
+
+    t, f = tmp_path / "t", tmp_path / "fit"
+    assert run(["synth-trace", "--out", str(t), "--requests", "240", "--layers", "4", "--experts", "16", "--top-k",
+                "2", "--decode-steps", "16", "--picks"]) == 0
+    assert run(["fit", "--trace", str(t), "--decoders", "2", "--out", str(f)]) == 0
+    from eldr_cli.costmodel import write_cost_model
+
+    write_cost_model(tmp_path / "cm", CostModel(a_ms=0.5, b_ms=0.2, c_ms=0.05, source="given", top_k=2))
+    assert run(["bench", "simulate", "--trace", str(t), "--cost-model", str(tmp_path / "cm"), "--routing", str(f),
+                "--routers", "round-robin,eldr-live,clairvoyant", "--rates", "20", "--duration", "6", "--warmup", "1",
+                "--prefill", "1", "--decode", "2", "--max-tokens", "16", "--out", str(tmp_path / "sim")]) == 0
+    runs = {r["router"]: r for r in json.loads((tmp_path / "sim" / "summary.json").read_text())["runs"]}
+    assert set(runs) == {"round-robin", "eldr-live", "clairvoyant"}
+    assert runs["clairvoyant"]["completed"] == runs["round-robin"]["completed"] > 0
+    assert runs["clairvoyant"]["failed"] == 0
+    assert run(["bench", "replay", "--trace", str(t), "--routing", str(f), "--policies",
+                "round-robin,eldr-live,clairvoyant", "--batch-sizes", "1,8", "--out", str(tmp_path / "rep")]) == 0
+    import polars as pl
+
+    from eldr_cli.artifacts.store import Artifact
+
+    a = Artifact(tmp_path / "rep")
+    tables = sorted(p.name for p in a.path.glob("*.parquet"))
+    df = pl.read_parquet(a.path / tables[0])
+    assert "clairvoyant" in set(df[df.columns[0]].cast(str)) or "clairvoyant" in str(df.to_dicts())

@@ -349,7 +349,8 @@ def replay_cmd(
     routing: Path = typer.Option(..., "--routing", help="Routing (or fit) artifact; K = its decoders."),
     out: Path = typer.Option(Path("artifacts/replay"), "--out"),
     policies: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr,oracle", "--policies",
-                                 help="Routing policies; oracle = clusters on the served rows' own decode patterns."),
+                                 help="Routing policies; oracle = the step-cluster oracle (clusters the served rows' "
+                                      "own decode steps), clairvoyant = eldr-live's rule fed the true future."),
     batch_sizes: str = typer.Option("1,4,16,64", "--batch-sizes", help="Decode batch sizes per decoder."),
     split: str = split_option("evaluation", help="Rows to replay."),
     tau: Optional[float] = tau_option(),
@@ -357,8 +358,10 @@ def replay_cmd(
     force: bool = FORCE,
 ) -> None:
     """Distinct active experts per decode step by policy and batch size (Fig. 13), replaying the trace's own
-    decode picks closed-loop through each routing policy; no clock, no cost model. The oracle row is the
-    limit of decode routing on this trace; the table shows how much of the way to it ELDR goes."""
+    decode picks closed-loop through each routing policy; no clock, no cost model. The step-cluster oracle
+    clusters the served rows' own decode steps (not a limit: ELDR can beat it); clairvoyant is eldr-live's
+    rule fed each request's true future (needs --policies ...,clairvoyant); the table shows how much of the
+    way to the step-cluster oracle ELDR goes."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.console import console
     from eldr_cli.errors import EldrError
