@@ -150,6 +150,15 @@ def decode_step_compiled() -> dict:
     return {"shape": shape, "timed": facts["timed"], "coefficients_ms": coef, "fit": fit, "rows": rows}
 
 
+def lm_head() -> dict:
+    """The LM head once per step at Qwen3-30B-A3B's shape (final RMSNorm, [B, 2048] x [2048, 151,936] bf16,
+    greedy pick), compiled and replayed from a CUDA graph: what a decode step pays besides its L layers."""
+    from eldr_cli.costmodel.decode_step import fit_lm_head, layer_shape, time_lm_head
+
+    rows = time_lm_head(layer_shape("Qwen3-30B-A3B"), batches=(1, 8, 64, 256), device="cuda", compile=True)
+    return {"rows": rows, "fit_ms": fit_lm_head(rows)}
+
+
 def decode_step_maverick() -> dict:
     """The same for one TP8 rank of a Llama-4-Maverick MoE decoder layer (5 query heads, 1 KV head, experts
     1/8 wide, top-1), the deployment of the report's held-out verdict (its dense layers are not timed)."""
@@ -339,7 +348,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     sections = (("kernels", kernels), ("moe_layer", moe_layer), ("decode_attention", attention),
-                ("decode_step", decode_step), ("decode_step_compiled", decode_step_compiled),
+                ("decode_step", decode_step), ("decode_step_compiled", decode_step_compiled), ("lm_head", lm_head),
                 ("decode_step_maverick_tp8", decode_step_maverick),
                 ("plugin_graph", plugin_graph),
                 ("roofline", lambda: roofline_error(gpu, doc["moe_layer"], doc["decode_attention"])),
@@ -390,6 +399,10 @@ def _table(doc: dict) -> None:
               f"{c['kb'] * 1e3:.2f} us*active + {c['kt'] * 1e3:.3f} us*batch + {c['kv'] * 1e6:.3f} ns*KV token; "
               f"{f['points']} points, median |res| "
               f"{100 * f['median_abs_rel_error']:.1f}%, max {100 * f['max_abs_rel_error']:.1f}%")
+    lh = doc.get("lm_head", {})
+    if "fit_ms" in lh:
+        print(f"  lm_head (Qwen3-30B-A3B, once per step): {lh['fit_ms']['h0'] * 1e3:.1f} us + "
+              f"{lh['fit_ms']['h1'] * 1e3:.3f} us*batch")
     for key in ("roofline_step", "roofline_step_compiled"):
         rs = doc.get(key, {})
         if rs.get("preset"):

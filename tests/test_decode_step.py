@@ -51,6 +51,22 @@ def test_timing_a_small_layer_on_the_cpu_gives_rows_for_every_point():
     assert facts["heads"] == 4 and facts["kv_heads"] == 2
 
 
+def test_a_cpu_run_writes_the_layer_and_the_lm_head_charged_once_per_step(tmp_path):
+    out = tmp_path / "cm"
+    ds.run_decode_step(out, shape={**TINY, "vocab": 512}, batches=(2, 8), actives=(2, 4, 8), contexts=(16, 64),
+                       device="cpu", repeats=2)
+    from eldr_cli.artifacts.store import Artifact
+
+    a = Artifact(out)
+    cm = CostModel.load(out)
+    layer, head = a.params["layer_ms"], a.params["lm_head_ms"]
+    assert set(head) == {"h0", "h1", "max_abs_rel_error"}
+    assert cm.a_ms == pytest.approx(layer["k0"] + head["h0"] / TINY["n_layers"])
+    assert cm.c_ms == pytest.approx(layer["kt"] + head["h1"] / TINY["n_layers"])
+    assert (out / "lm_head_timings.parquet").is_file() and (out / "decode_step_timings.parquet").is_file()
+    assert a.params["label"] == "MEASURED" and "kv_capacity_tokens" not in a.params  # a CPU: no GPU deployment
+
+
 def test_layer_shapes_of_presets_and_a_tp_rank():
     q = ds.layer_shape("Qwen3-30B-A3B")
     assert (q["heads"], q["kv_heads"], q["num_experts"], q["intermediate"], q["top_k"], q["n_layers"]) == \

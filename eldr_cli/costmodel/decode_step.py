@@ -16,9 +16,10 @@ The fit is the simulator's step form (``costmodel.step_ms_from_terms``) per laye
 
     layer_ms = k0 + kb * A + kt * B + kv * (B * C)          (non-negative least squares)
 
-so a step over L layers is ``L*k0 + kb * sum_l A_l + L*kt*B + L*kv*sum(context)``: the cost model's
-``a`` (k0), ``b`` (kb), ``c`` (kt) and ``kv`` coefficients. Residuals are stated per point. The artifact
-records the model, device, dtype, backend and launch, and is usable wherever a cost model is
+so a step over L layers is ``L*k0 + kb * sum_l A_l + L*kt*B + L*kv*sum(context)``, plus the LM head once
+per step (final RMSNorm, the [B, H] x [H, vocab] GEMM, the greedy pick: ``h0 + h1*B``, timed alike): the
+cost model's ``a`` (k0 + h0/L), ``b`` (kb), ``c`` (kt + h1/L) and ``kv`` coefficients. Residuals are stated
+per point. The artifact records the model, device, dtype, backend and launch, and is usable wherever a cost model is
 (``eldr bench simulate``, ``eldr report``, ``eldr serve-proxy --cost-model``); it is refused for a trace of
 another model (experts or top-k differ).
 """
@@ -66,7 +67,8 @@ def layer_shape(model: str, tp: int = 1) -> dict:
         raise EldrError(f"--tp {tp} does not divide {name}'s {heads} query heads and expert width {inter}")
     return {"model": name, "tp": tp, "hidden": hidden, "heads": heads // tp, "kv_heads": max(1, kv // tp),
             "head_dim": int(cfg.get("head_dim") or hidden // heads), "num_experts": experts,
-            "intermediate": inter // tp, "top_k": top_k, "n_layers": n_layers}
+            "intermediate": inter // tp, "top_k": top_k, "n_layers": n_layers,
+            "vocab": int(cfg.get("vocab_size") or 0) // tp}
 
 
 def grid(batches, actives, contexts, top_k: int, num_experts: int, max_kv_tokens: int = MAX_KV_TOKENS):
@@ -173,6 +175,52 @@ def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_AC
     return rows, facts
 
 
+def time_lm_head(shape: dict, *, batches=DEFAULT_BATCHES, device: str = "cpu", dtype: str | None = None,
+                 launch: str = "auto", repeats: int = 20, seed: int = 0, compile: bool = False) -> list[dict]:
+    """Once per step, after the last layer: the final RMSNorm, the LM head GEMM ([B, H] x [H, vocab / TP]) and
+    the greedy pick, at each batch size: rows {batch, ms}. [] when the shape has no vocabulary."""
+    import torch
+
+    from eldr_cli.costmodel.moe_layer import _graphed, resolve_backend
+
+    if not shape.get("vocab"):
+        return []
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    _, launch, _ = resolve_backend("loop", launch, device, "float32")
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    H, V = shape["hidden"], shape["vocab"]
+    w_head = (torch.randn(H, V, generator=g, device=dev, dtype=dt) * H ** -0.5).to(dt)
+
+    def head(x):
+        xn = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        return torch.argmax(xn @ w_head, dim=-1)
+
+    run = torch.compile(head, dynamic=False) if compile else head
+    timer = _cuda_median if dev.type == "cuda" else _wall_median
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            x = torch.randn(b, H, generator=g, device=dev, dtype=dt)
+            call = _graphed(run, x) if launch == "graph" else (lambda x=x: run(x))
+            rows.append({"batch": b, "ms": timer(call, repeats)})
+    return rows
+
+
+def fit_lm_head(rows: list[dict]) -> dict:
+    """Non-negative least squares ``ms ~ h0 + h1 * B`` (per step); {} without rows."""
+    if not rows:
+        return {}
+    from scipy.optimize import nnls
+
+    X = np.array([[1.0, r["batch"]] for r in rows])
+    y = np.array([r["ms"] for r in rows])
+    coef, _ = nnls(X, y)
+    rel = (X @ coef - y) / np.maximum(y, 1e-12)
+    return {"h0": float(coef[0]), "h1": float(coef[1]), "max_abs_rel_error": float(np.abs(rel).max())}
+
+
 def _cuda_median(fn, n: int) -> float:
     import torch
 
@@ -220,10 +268,14 @@ def fit_decode_step(rows: list[dict]) -> tuple[dict, dict, list[dict]]:
     return dict(zip(("k0", "kb", "kt", "kv"), map(float, coef), strict=True)), summary, out
 
 
-def cost_model_of(coef: dict, shape: dict, device: str):
+def cost_model_of(coef: dict, shape: dict, device: str, head: dict | None = None):
+    """The measured layer as a cost model; the LM head (once per step: ``h0 + h1*B``) spread over the
+    ``n_layers`` layers, so that ``step = L*(k0 + h0/L) + ... + L*(kt + h1/L)*B`` charges it once."""
     from eldr_cli.costmodel import CostModel
 
-    return CostModel(a_ms=coef["k0"], b_ms=coef["kb"], c_ms=coef["kt"], kv_ms=coef["kv"],
+    L = shape["n_layers"]
+    h0, h1 = (head or {}).get("h0", 0.0), (head or {}).get("h1", 0.0)
+    return CostModel(a_ms=coef["k0"] + h0 / L, b_ms=coef["kb"], c_ms=coef["kt"] + h1 / L, kv_ms=coef["kv"],
                      source="measured-decode-step", device=device, top_k=shape["top_k"], model=shape["model"])
 
 
@@ -268,7 +320,7 @@ def shipped_rows(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1, compile
                         hint=f"shipped: {have} on {', '.join(MEASURED_FILES)}; or time one on your GPU: "
                              "eldr bench decode-step --device cuda")
     doc = json.loads((DATA / MEASURED_FILES[preset]).read_text())
-    sec = doc[MEASURED_LAYERS[(name, tp)][compiled]]
+    sec = {**doc[MEASURED_LAYERS[(name, tp)][compiled]], "lm_head": doc.get("lm_head", {}).get("rows", [])}
     return [{k: r[k] for k in ("batch", "active_experts", "context", "kv_tokens", "ms")} for r in sec["rows"]], \
         {**sec, "gpu": doc["device"], "preset": preset}
 
@@ -282,12 +334,17 @@ def run_decode_step_from_measured(out: str | os.PathLike, *, device: str, model:
 
     rows, sec = shipped_rows(device, model, tp, compiled)
     coef, fit, rows = fit_decode_step(rows)
+    head = fit_lm_head(sec["lm_head"])
     shape = sec["shape"]
-    cm = cost_model_of(coef, shape, f"cuda ({sec['gpu']})")
+    cm = cost_model_of(coef, shape, f"cuda ({sec['gpu']})", head)
+    tables = {"decode_step_timings": pl.DataFrame(rows)}
+    if sec["lm_head"]:
+        tables["lm_head_timings"] = pl.DataFrame(sec["lm_head"])
     return write_cost_model(out, cm, params={
         **shape, "label": "MEASURED", "timed": sec["timed"], "compiled": compiled, "measured": MEASURED_PROVENANCE,
+        "layer_ms": coef, "lm_head_ms": head or "not measured: the step has no LM head term",
         "measured_file": MEASURED_FILES[sec["preset"]], **deployment_params(shape["model"], sec["preset"], tp)},
-        metrics={f"fit_{k}": v for k, v in fit.items()}, tables={"decode_step_timings": pl.DataFrame(rows)})
+        metrics={f"fit_{k}": v for k, v in fit.items()}, tables=tables)
 
 
 def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp: int = 1, batches=DEFAULT_BATCHES,
@@ -309,8 +366,11 @@ def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp:
                                    dtype=dtype, backend=backend, launch=launch, repeats=repeats, seed=seed,
                                    compile=compile, progress=progress)
     coef, fit, rows = fit_decode_step(rows)
+    head_rows = time_lm_head(shape, batches=batches, device=dev, dtype=dtype, launch=launch, repeats=repeats,
+                             seed=seed, compile=compile)
+    head = fit_lm_head(head_rows)
     label = device_label(dev)
-    cm = cost_model_of(coef, shape, label)
+    cm = cost_model_of(coef, shape, label, head)
     metrics = {**{f"fit_{k}": v for k, v in fit.items()}, "measure_s": round(time.perf_counter() - t0, 2)}
     preset = None
     if dev == "cuda" and facts["dtype"] == "bfloat16":
@@ -318,7 +378,12 @@ def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp:
 
         preset = gpu_preset(torch.cuda.get_device_name())
     dep = deployment_params(shape["model"], preset, shape["tp"]) if preset else {}
+    tables = {"decode_step_timings": pl.DataFrame(rows)}
+    if head_rows:
+        tables["lm_head_timings"] = pl.DataFrame(head_rows)
     return write_cost_model(out, cm, params={**facts, "label": "MEASURED", "batches": list(batches),
                                              "actives": list(actives), "contexts": list(contexts), "seed": seed,
+                                             "layer_ms": coef,
+                                             "lm_head_ms": head or "not measured: the shape has no vocabulary",
                                              **dep},
-                            metrics=metrics, tables={"decode_step_timings": pl.DataFrame(rows)})
+                            metrics=metrics, tables=tables)
