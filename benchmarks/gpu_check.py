@@ -291,8 +291,9 @@ def plugin_graph() -> dict:
     return res
 
 
-def roofline_step_error(gpu: str, step: dict) -> dict:
-    """The calibrated roofline's decode step / L against the measured whole layer, per row (batch >= 8)."""
+def roofline_step_error(gpu: str, step: dict, head: dict | None = None) -> dict:
+    """The calibrated roofline's decode step / L against the measured whole layer, per row (batch >= 8); with
+    the LM head measured, also the whole step: roofline step against L x the layer + the LM head."""
     from eldr_cli.costmodel.calibration import calibrated
     from eldr_cli.costmodel.presets import MODELS, device_facts
     from eldr_cli.costmodel.roofline import Roofline, model_facts
@@ -307,8 +308,14 @@ def roofline_step_error(gpu: str, step: dict) -> dict:
     ratios = [r.step_ms(x["active_experts"] * Ln, [x["context"]] * x["batch"]) / Ln / x["ms"] for x in step["rows"]]
     for x, q in zip(step["rows"], ratios, strict=True):
         x["roofline_over_measured"] = q
-    return {"preset": preset, "step_ratio_min_max": [min(ratios), max(ratios)],
-            "within_25pct": all(0.75 <= q <= 1.25 for q in ratios)}
+    out = {"preset": preset, "step_ratio_min_max": [min(ratios), max(ratios)],
+           "within_25pct": all(0.75 <= q <= 1.25 for q in ratios)}
+    h = (head or {}).get("fit_ms")
+    if h:
+        whole = [r.step_ms(x["active_experts"] * Ln, [x["context"]] * x["batch"])
+                 / (Ln * x["ms"] + h["h0"] + h["h1"] * x["batch"]) for x in step["rows"]]
+        out["whole_step_ratio_min_max"] = [min(whole), max(whole)]
+    return out
 
 
 def roofline_error(gpu: str, moe: dict, attn: list[dict]) -> dict:
@@ -352,8 +359,9 @@ def main() -> int:
                 ("decode_step_maverick_tp8", decode_step_maverick),
                 ("plugin_graph", plugin_graph),
                 ("roofline", lambda: roofline_error(gpu, doc["moe_layer"], doc["decode_attention"])),
-                ("roofline_step", lambda: roofline_step_error(gpu, doc["decode_step"])),
-                ("roofline_step_compiled", lambda: roofline_step_error(gpu, doc["decode_step_compiled"])))
+                ("roofline_step", lambda: roofline_step_error(gpu, doc["decode_step"], doc.get("lm_head"))),
+                ("roofline_step_compiled", lambda: roofline_step_error(gpu, doc["decode_step_compiled"],
+                                                                       doc.get("lm_head"))))
     for name, fn in sections:
         t = time.perf_counter()
         try:
@@ -406,8 +414,10 @@ def _table(doc: dict) -> None:
     for key in ("roofline_step", "roofline_step_compiled"):
         rs = doc.get(key, {})
         if rs.get("preset"):
+            w = rs.get("whole_step_ratio_min_max")
             print(f"  {key}: roofline {rs['preset']} step / L vs measured layer: {rs['step_ratio_min_max'][0]:.2f}-"
-                  f"{rs['step_ratio_min_max'][1]:.2f}")
+                  f"{rs['step_ratio_min_max'][1]:.2f}" + (f"; whole step (48 layers + LM head): {w[0]:.2f}-{w[1]:.2f}"
+                                                          if w else ""))
     pg = doc.get("plugin_graph", {})
     for k_ in ("cuda_graph", "compile_then_cuda_graph", "compile_reduce_overhead"):
         if k_ in pg:

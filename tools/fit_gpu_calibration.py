@@ -62,7 +62,7 @@ def fit_attention(device: str, eff_default: float):
         for fx in np.arange(0, 40) * 0.5e-6:
             e = float(np.abs(np.log((A[:, 0] / eff + fx) / A[:, 1])).max())
             if best is None or e < best[0]:
-                best = (e, round(float(eff), 3), float(fx) * 1e6)
+                best = (e, round(float(eff), 3), round(float(fx) * 1e6, 2))
     return best
 
 

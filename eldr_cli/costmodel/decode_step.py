@@ -281,7 +281,7 @@ def cost_model_of(coef: dict, shape: dict, device: str, head: dict | None = None
 
 # shipped `make gpu-check` measurements (eldr_cli/data/gpu/) with the measured whole decode layer, by device preset
 MEASURED_FILES = {"H100-SXM": "h100_gpu_check.json", "H200": "h200_gpu_check.json"}
-MEASURED_PROVENANCE = ("MEASURED 2026-11-27 by `make gpu-check` (eldr 79bccd0; torch 2.11.0+cu130, triton 3.6.0), "
+MEASURED_PROVENANCE = ("MEASURED 2026-11-27 by `make gpu-check` (eldr c21444d; torch 2.11.0+cu130, triton 3.6.0), "
                        "CUDA-event medians of 20 CUDA-graph replays")
 # (model, tp) -> gpu_check section of a whole decoder layer; compiled (torch.compile + CUDA graph) first
 MEASURED_LAYERS = {("Qwen3-30B-A3B", 1): {True: "decode_step_compiled", False: "decode_step"}}
