@@ -288,6 +288,10 @@ def decode_step_cmd(
                   f"{c['b'] * 1e3:.2f}*active + {c['c'] * 1e3:.3f}*requests us + {c['kv'] * 1e6:.3f} ns per KV "
                   f"token[/]; {m['fit_points']} points, median |residual| {100 * m['fit_median_abs_rel_error']:.1f}%, "
                   f"max {100 * m['fit_max_abs_rel_error']:.1f}%")
+    h = a.params.get("lm_head_ms")
+    if isinstance(h, dict):
+        console.print(f"of which the LM head, once per step: {h['h0'] * 1e3:.1f} + {h['h1'] * 1e3:.3f}*requests us, "
+                      f"spread over the {a.params['n_layers']} layers above")
     if "kv_capacity_tokens" not in a.params:
         console.print("no KV capacity: the GPU is not a preset (H100-SXM, H200), so decoders are not KV-capped")
     console.print(f"-> {out} (decode_step_timings.parquet)")
