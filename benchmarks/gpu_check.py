@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,21 +35,10 @@ QWEN = {"num_experts": 128, "hidden": 2048, "intermediate": 768, "top_k": 8}
 
 
 def _events_ms(fn, n: int = 30) -> float:
-    """Median CUDA-event time of ``fn()`` over ``n`` calls after 3 warm-ups."""
-    import torch
+    """Median CUDA-event time of ``fn()`` over ``n`` calls after 3 warm-ups (``bench decode-step``'s timer)."""
+    from eldr_cli.costmodel.decode_step import _cuda_median
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return _cuda_median(fn, n)
 
 
 def _graph(fn):

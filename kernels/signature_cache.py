@@ -173,18 +173,25 @@ def accumulate_reference(cache: torch.Tensor, topk_ids: torch.Tensor, token_bloc
 
 
 def accumulate_triton(sc: SignatureCache, topk_ids: torch.Tensor, token_blocks: torch.Tensor, layer: int) -> None:
-    from ._triton import accumulate_kernel
+    _launch_accumulate(sc, topk_ids[None], token_blocks, layer)
 
+
+def _launch_accumulate(sc: SignatureCache, picks: torch.Tensor, token_blocks: torch.Tensor, layer0: int) -> None:
+    """One launch of the Triton kernel: ``picks`` [n, T, k] into cache layers layer0 .. layer0 + n - 1."""
+    from ._triton import accumulate_layers_kernel
+
+    n, T, K = picks.shape
     _, L, E = sc.cache.shape
-    T = min(topk_ids.shape[0], token_blocks.shape[0])
-    if T == 0:
+    T = min(T, token_blocks.shape[0])
+    if T == 0 or n == 0:
         return
-    K = topk_ids.shape[1]
+    if layer0 + n > L:
+        raise ValueError(f"picks for layers {layer0}..{layer0 + n - 1}, the cache has {L}")
     item = sc.cache.element_size()
     BLOCK_T = 64
     BLOCK_K = max(1, 1 << (K - 1).bit_length())
-    accumulate_kernel[(triton_cdiv(T, BLOCK_T),)](
-        sc.words, topk_ids, token_blocks, T, K, topk_ids.stride(0), topk_ids.stride(1), layer, L, E,
+    accumulate_layers_kernel[(triton_cdiv(T, BLOCK_T), n)](
+        sc.words, picks, token_blocks, T, K, picks.stride(0), picks.stride(1), picks.stride(2), layer0, L, E,
         sc.num_blocks, ELEMS_PER_WORD=4 // item, BITS=8 * item, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
 
 
@@ -205,21 +212,7 @@ def accumulate_all(sc: SignatureCache, picks: torch.Tensor, token_blocks: torch.
         for layer in range(picks.shape[0]):
             accumulate_reference(sc.cache, picks[layer], token_blocks, layer)
         return
-    from ._triton import accumulate_layers_kernel
-
-    L_picks, T, K = picks.shape
-    _, L, E = sc.cache.shape
-    T = min(T, token_blocks.shape[0])
-    if T == 0 or L_picks == 0:
-        return
-    if L_picks > L:
-        raise ValueError(f"picks has {L_picks} layers, the cache {L}")
-    item = sc.cache.element_size()
-    BLOCK_T = 64
-    BLOCK_K = max(1, 1 << (K - 1).bit_length())
-    accumulate_layers_kernel[(triton_cdiv(T, BLOCK_T), L_picks)](
-        sc.words, picks, token_blocks, T, K, picks.stride(0), picks.stride(1), picks.stride(2), L, E,
-        sc.num_blocks, ELEMS_PER_WORD=4 // item, BITS=8 * item, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
+    _launch_accumulate(sc, picks, token_blocks, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,6 +163,19 @@ def simulate_cmd(
     print_bench(out, wide=wide)
 
 
+def _ints(s: str, name: str) -> list[int]:
+    """A comma-separated option of positive integers, or one clear error."""
+    from eldr_cli.errors import EldrError
+
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
+    if not v or min(v) < 1:
+        raise EldrError(f"--{name} must be positive integers, got {s!r}")
+    return v
+
+
 @bench_app.command("moe-layer")
 def moe_layer_cmd(
     out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
@@ -192,18 +205,9 @@ def moe_layer_cmd(
     from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device, run_moe_layer
     from eldr_cli.errors import EldrError
 
-    def ints(s, name):
-        try:
-            v = [int(x) for x in s.split(",") if x.strip()]
-        except ValueError:
-            raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
-        if not v or min(v) < 1:
-            raise EldrError(f"--{name} must be positive integers, got {s!r}")
-        return v
-
     if top_k > experts:
         raise EldrError(f"--top-k ({top_k}) must not exceed --experts ({experts})")
-    sizes = ints(batches, "batches"), ints(actives, "active")
+    sizes = _ints(batches, "batches"), _ints(actives, "active")
     from eldr_cli.artifacts.guard import check_output
 
     resolve_backend(backend, launch, resolve_device(device), dtype)  # fails before anything is written
@@ -253,15 +257,6 @@ def decode_step_cmd(
     from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device
     from eldr_cli.errors import EldrError
 
-    def ints(s, name):
-        try:
-            v = [int(x) for x in s.split(",") if x.strip()]
-        except ValueError:
-            raise EldrError(f"--{name} must be comma-separated integers, got {s!r}") from None
-        if not v or min(v) < 1:
-            raise EldrError(f"--{name} must be positive integers, got {s!r}")
-        return v
-
     if from_measured:
         ds.shipped_rows(from_measured, model, tp)  # fails before anything is written
         check_output(out, "cost-model", force=force or None)
@@ -269,7 +264,7 @@ def decode_step_cmd(
             ds.run_decode_step_from_measured(out, device=from_measured, model=model, tp=tp,
                                              compiled=compile is not False)
     else:
-        grid = ints(batches, "batches"), ints(actives, "active"), ints(contexts, "contexts")
+        grid = _ints(batches, "batches"), _ints(actives, "active"), _ints(contexts, "contexts")
         shape = ds.layer_shape(model, tp)
         dev = resolve_device(device)
         resolve_backend("auto", "auto", dev, dtype or ("bfloat16" if dev == "cuda" else "float32"))
