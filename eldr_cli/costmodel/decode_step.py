@@ -77,38 +77,14 @@ def grid(batches, actives, contexts, top_k: int, num_experts: int, max_kv_tokens
             if a <= min(num_experts, b * top_k) and b * c <= max_kv_tokens]
 
 
-def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, contexts=DEFAULT_CONTEXTS,
-                     device: str = "cpu", dtype: str | None = None, backend: str = "auto", launch: str = "auto",
-                     repeats: int = 20, seed: int = 0, max_kv_tokens: int = MAX_KV_TOKENS, compile: bool = False,
-                     progress=None) -> tuple[list[dict], dict]:
-    """(rows, facts): one row per point {batch, active_experts, context, kv_tokens, ms} (median of
-    ``repeats`` timed calls after warm-up; CUDA events on a GPU, the wall clock on a CPU). ``compile``: the
-    layer through ``torch.compile`` (inductor fuses the norms, SiLU-and-mul and residual adds, as vLLM
-    compiles its models) before the CUDA graph captures it; else the layer's torch ops as they are."""
+def _decoder_layer(shape: dict, backend: str, w):
+    """One decoder layer as a function ``layer(x, k_cache, v_cache, plan)``, its weights drawn by ``w``."""
     import torch
 
-    from eldr_cli.costmodel.moe_layer import _graphed, _grouped_plan, _routing, resolve_backend
-
-    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-    backend, launch, how = resolve_backend(backend, launch, device, dtype)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
-    if dt is None:
-        raise EldrError(f"unknown --dtype {dtype!r} for the decode step; expected float32 or bfloat16")
-    points = grid(batches, actives, contexts, shape["top_k"], shape["num_experts"], max_kv_tokens)
-    if len(points) < 4:
-        raise EldrError(f"only {len(points)} (batch, active, context) points are timeable (active <= experts "
-                        f"and batch * top-k; batch * context <= {max_kv_tokens}); the fit needs at least 4")
-    dev = torch.device(device)
     E, H, I, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
     nq, nkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    g = torch.Generator(device=dev).manual_seed(seed)  # drawn where they live: GBs of KV cache on a GPU
-
-    def w(*s, fan):
-        return (torch.randn(*s, generator=g, device=dev, dtype=dt) * fan ** -0.5).to(dt)
-
     w_qkv, w_o, w_router = w(H, (nq + 2 * nkv) * hd, fan=H), w(nq * hd, H, fan=nq * hd), w(H, E, fan=H)
     w13, w_down = w(E, H, 2 * I, fan=H), w(E, I, H, fan=I)  # gate and up as one bank, as fused MoE kernels
-    rng = np.random.default_rng(seed)
 
     def rms(x):
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
@@ -144,6 +120,39 @@ def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_AC
         torch.topk(h @ w_router, k, dim=-1)  # the router's work; the points' routing is fixed (see above)
         return x + moe(h, plan)
 
+    return layer
+
+
+def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, contexts=DEFAULT_CONTEXTS,
+                     device: str = "cpu", dtype: str | None = None, backend: str = "auto", launch: str = "auto",
+                     repeats: int = 20, seed: int = 0, max_kv_tokens: int = MAX_KV_TOKENS, compile: bool = False,
+                     progress=None) -> tuple[list[dict], dict]:
+    """(rows, facts): one row per point {batch, active_experts, context, kv_tokens, ms} (median of
+    ``repeats`` timed calls after warm-up; CUDA events on a GPU, the wall clock on a CPU). ``compile``: the
+    layer through ``torch.compile`` (inductor fuses the norms, SiLU-and-mul and residual adds, as vLLM
+    compiles its models) before the CUDA graph captures it; else the layer's torch ops as they are."""
+    import torch
+
+    from eldr_cli.costmodel.moe_layer import _graphed, _grouped_plan, _routing, resolve_backend
+
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    backend, launch, how = resolve_backend(backend, launch, device, dtype)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if dt is None:
+        raise EldrError(f"unknown --dtype {dtype!r} for the decode step; expected float32 or bfloat16")
+    points = grid(batches, actives, contexts, shape["top_k"], shape["num_experts"], max_kv_tokens)
+    if len(points) < 4:
+        raise EldrError(f"only {len(points)} (batch, active, context) points are timeable (active <= experts "
+                        f"and batch * top-k; batch * context <= {max_kv_tokens}); the fit needs at least 4")
+    dev = torch.device(device)
+    E, H, k, nkv, hd = shape["num_experts"], shape["hidden"], shape["top_k"], shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator(device=dev).manual_seed(seed)  # drawn where they live: GBs of KV cache on a GPU
+
+    def w(*s, fan):
+        return (torch.randn(*s, generator=g, device=dev, dtype=dt) * fan ** -0.5).to(dt)
+
+    layer = _decoder_layer(shape, backend, w)
+    rng = np.random.default_rng(seed)
     run = torch.compile(layer, dynamic=False) if compile else layer
     kv = {}
     for b, _, c in points:

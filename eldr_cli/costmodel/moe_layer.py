@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -154,6 +155,57 @@ def device_label(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def _bf16_moe(w_gate, w_up, w_down, w13, intermediate: int):
+    """(per-expert loop, grouped GEMM) forms of the MoE layer over the given weights."""
+    import torch
+
+    def moe(x, routes):
+        out = torch.zeros_like(x)
+        for e, idx in routes:
+            xe = x.index_select(0, idx)
+            h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
+            out.index_add_(0, idx, h @ w_down[e])
+        return out
+
+    def moe_grouped(x, plan):
+        order, offs = plan
+        xs = x.index_select(0, order)
+        h13 = torch._grouped_mm(xs, w13, offs=offs)
+        h = torch.nn.functional.silu(h13[:, :intermediate]) * h13[:, intermediate:]
+        out = torch.zeros_like(x)
+        out.index_add_(0, order, torch._grouped_mm(h, w_down, offs=offs))
+        return out
+
+    return moe, moe_grouped
+
+
+def _fp8_grouped(w13, w_down, intermediate: int, dev):
+    """The grouped MoE layer in fp8: weights stored [E, N, K] (K contiguous) in e4m3 and passed transposed as
+    [E, K, N] to ``torch._scaled_grouped_mm`` with unit rowwise scales; activations cast per call; bf16 out."""
+    import torch
+
+    f8 = torch.float8_e4m3fn
+    assert w13 is not None  # fp8 is grouped only (resolve_backend)
+    w8 = [w.transpose(1, 2).contiguous().to(f8) for w in (w13, w_down)]
+    s8 = [torch.ones(w.shape[0], w.shape[1], device=dev, dtype=torch.float32) for w in w8]
+
+    def moe_fp8(x, plan):
+        order, offs = plan
+        xs = x.index_select(0, order)
+        sa = torch.ones(xs.shape[0], device=dev, dtype=torch.float32)
+
+        def mm(a, i):
+            return torch._scaled_grouped_mm(a.to(f8), w8[i].transpose(1, 2), sa, s8[i], offs=offs,
+                                            out_dtype=torch.bfloat16)
+
+        h = mm(xs, 0)
+        out = torch.zeros_like(x)
+        out.index_add_(0, order, mm(torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:], 1))
+        return out
+
+    return moe_fp8
+
+
 def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: int = 512, top_k: int = 8,
                    batches=DEFAULT_BATCHES, actives=DEFAULT_ACTIVE, repeats: int = 7, dtype: str = "float32",
                    threads: int | None = 1, seed: int = 0, device: str = "cpu", backend: str = "auto",
@@ -186,42 +238,9 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
 
     # the grouped GEMM reads gate and up as one [E, H, 2I] bank, as fused MoE kernels do (w13)
     w13 = torch.cat([w_gate, w_up], dim=2) if backend == "grouped" else None
-    if fp8:  # weights stored [E, N, K] (K contiguous) in e4m3, passed transposed as [E, K, N]; unit scales
-        f8 = torch.float8_e4m3fn
-        assert w13 is not None  # fp8 is grouped only (resolve_backend)
-        w8 = [w.transpose(1, 2).contiguous().to(f8) for w in (w13, w_down)]
-        s8 = [torch.ones(num_experts, w.shape[1], device=dev, dtype=torch.float32) for w in w8]
+    moe_fp8 = _fp8_grouped(w13, w_down, intermediate, dev) if fp8 else None
 
-    def moe_fp8(x, plan):
-        order, offs = plan
-        xs = x.index_select(0, order)
-        sa = torch.ones(xs.shape[0], device=dev, dtype=torch.float32)
-
-        def mm(a, i):
-            return torch._scaled_grouped_mm(a.to(f8), w8[i].transpose(1, 2), sa, s8[i], offs=offs,
-                                            out_dtype=torch.bfloat16)
-
-        h = mm(xs, 0)
-        out = torch.zeros_like(x)
-        out.index_add_(0, order, mm(torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:], 1))
-        return out
-
-    def moe(x, routes):
-        out = torch.zeros_like(x)
-        for e, idx in routes:
-            xe = x.index_select(0, idx)
-            h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
-            out.index_add_(0, idx, h @ w_down[e])
-        return out
-
-    def moe_grouped(x, plan):
-        order, offs = plan
-        xs = x.index_select(0, order)
-        h13 = torch._grouped_mm(xs, w13, offs=offs)
-        h = torch.nn.functional.silu(h13[:, :intermediate]) * h13[:, intermediate:]
-        out = torch.zeros_like(x)
-        out.index_add_(0, order, torch._grouped_mm(h, w_down, offs=offs))
-        return out
+    moe, moe_grouped = _bf16_moe(w_gate, w_up, w_down, w13, intermediate)
 
     def non_moe(x):
         var = x.pow(2).mean(-1, keepdim=True)
@@ -237,8 +256,11 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     # token indices live on the device already, so a timed call copies nothing from the host
     routes = {(b, a): [(e, torch.from_numpy(toks).to(dev)) for e, toks in _routing(b, a, top_k, num_experts, rng)]
               for b, a in points}
-    layer, arg = ((moe_fp8 if fp8 else moe_grouped), {p: _grouped_plan(routes[p], num_experts, dev) for p in points}) \
-        if backend == "grouped" else (moe, routes)
+    layer: Callable = moe
+    arg: dict = routes
+    if backend == "grouped":
+        layer = moe_fp8 if moe_fp8 is not None else moe_grouped
+        arg = {p: _grouped_plan(routes[p], num_experts, dev) for p in points}
     with torch.inference_mode():
         call = {p: (_graphed(layer, inputs[p[0]], arg[p]) if launch == "graph" else
                     (lambda p=p: layer(inputs[p[0]], arg[p]))) for p in points}
