@@ -279,19 +279,22 @@ def plugin_graph() -> dict:
     return res
 
 
+def _qwen_roofline(gpu: str):
+    """(device preset, the calibrated Qwen3-30B-A3B TP1 bf16 roofline of it) for a CUDA device name, or
+    (None, None) for a GPU without a preset."""
+    from eldr_cli.costmodel.decode_step import gpu_preset
+    from eldr_cli.costmodel.roofline import build
+
+    preset = gpu_preset(gpu)
+    return (None, None) if preset is None else (preset, build("Qwen3-30B-A3B", device=preset, dtype="bf16", tp=1)[2])
+
+
 def roofline_step_error(gpu: str, step: dict, head: dict | None = None) -> dict:
     """The calibrated roofline's decode step / L against the measured whole layer, per row (batch >= 8); with
     the LM head measured, also the whole step: roofline step against L x the layer + the LM head."""
-    from eldr_cli.costmodel.calibration import calibrated
-    from eldr_cli.costmodel.presets import MODELS, device_facts
-    from eldr_cli.costmodel.roofline import Roofline, model_facts
-
-    preset = "H200" if "H200" in gpu else ("H100-SXM" if "H100" in gpu else None)
-    if preset is None:
+    preset, r = _qwen_roofline(gpu)
+    if r is None:
         return {"preset": None}
-    _, bw, tf, _ = device_facts(preset)
-    const, _ = calibrated(preset, "Qwen3-30B-A3B", "bf16")
-    r = Roofline(model_facts(MODELS["Qwen3-30B-A3B"]), bw, tf, **const(1))
     Ln = r.facts.n_layers
     ratios = [r.step_ms(x["active_experts"] * Ln, [x["context"]] * x["batch"]) / Ln / x["ms"] for x in step["rows"]]
     for x, q in zip(step["rows"], ratios, strict=True):
@@ -308,20 +311,15 @@ def roofline_step_error(gpu: str, step: dict, head: dict | None = None) -> dict:
 
 def roofline_error(gpu: str, moe: dict, attn: list[dict]) -> dict:
     from eldr_cli.costmodel.calibration import calibrated
-    from eldr_cli.costmodel.presets import MODELS, device_facts
-    from eldr_cli.costmodel.roofline import Roofline, model_facts
 
-    preset = "H200" if "H200" in gpu else ("H100-SXM" if "H100" in gpu else None)
-    if preset is None:
+    preset, r = _qwen_roofline(gpu)
+    if r is None:
         return {"preset": None, "note": f"no device preset for {gpu}: no roofline to compare"}
-    _, bw, tf, _ = device_facts(preset)
-    const, doc = calibrated(preset, "Qwen3-30B-A3B", "bf16")
-    r = Roofline(model_facts(MODELS["Qwen3-30B-A3B"]), bw, tf, **const(1))
     m = [r.moe_layer_ms(x["batch"], x["active_experts"]) / x["ms"] for x in moe["grouped_graph"]["rows"]
          if x["batch"] >= 8]
     a = [r.attention_layer_ms(x["batch"], x["context"]) / x["graph_ms"] for x in attn]
-    return {"preset": preset, "provenance": doc["provenance"], "moe_ratio_min_max": [min(m), max(m)],
-            "attention_ratio_min_max": [min(a), max(a)],
+    return {"preset": preset, "provenance": calibrated(preset, "Qwen3-30B-A3B", "bf16")[1]["provenance"],
+            "moe_ratio_min_max": [min(m), max(m)], "attention_ratio_min_max": [min(a), max(a)],
             "within_15pct": all(0.85 <= x <= 1.15 for x in m + a)}
 
 

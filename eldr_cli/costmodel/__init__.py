@@ -107,12 +107,12 @@ class CostModel:
             from eldr_cli.costmodel.roofline import RooflineCostModel
 
             return RooflineCostModel.from_params(art.params)
+        from eldr_cli.costmodel.deployment import deployment_from_params
+
         c = art.params["coefficients_ms"]
-        ap = art.params
         # a measured decode step on a known GPU carries its deployment (KV capacity per instance)
-        dep = {**ap.get("deployment", {}), "kv_capacity_tokens": ap["kv_capacity_tokens"]} \
-            if "kv_capacity_tokens" in ap else None
-        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0), deployment=dep,
+        return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
+                   deployment=deployment_from_params(art.params),
                    source=art.params.get("source", "measured"), device=art.params.get("device", "cpu"),
                    top_k=art.params.get("top_k"), kv_ms=c.get("kv", 0.0), model=art.params.get("model"))
 

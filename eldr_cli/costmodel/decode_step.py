@@ -81,6 +81,8 @@ def _decoder_layer(shape: dict, backend: str, w):
     """One decoder layer as a function ``layer(x, k_cache, v_cache, plan)``, its weights drawn by ``w``."""
     import torch
 
+    from eldr_cli.costmodel.moe_layer import moe_forms
+
     E, H, I, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
     nq, nkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
     w_qkv, w_o, w_router = w(H, (nq + 2 * nkv) * hd, fan=H), w(nq * hd, H, fan=nq * hd), w(H, E, fan=H)
@@ -97,19 +99,8 @@ def _decoder_layer(shape: dict, backend: str, w):
             return torch.nn.functional.scaled_dot_product_attention(q, kc.repeat_interleave(r, 1),
                                                                     vc.repeat_interleave(r, 1))
 
-    def moe(h, plan):
-        if backend == "grouped":
-            order, offs = plan
-            h13 = torch._grouped_mm(h.index_select(0, order), w13, offs=offs)
-            out = torch.zeros_like(h)
-            out.index_add_(0, order, torch._grouped_mm(torch.nn.functional.silu(h13[:, :I]) * h13[:, I:], w_down,
-                                                       offs=offs))
-            return out
-        out = torch.zeros_like(h)
-        for e, idx in plan:
-            h13 = h.index_select(0, idx) @ w13[e]
-            out.index_add_(0, idx, (torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]) @ w_down[e])
-        return out
+    moe_loop, moe_grouped = moe_forms(w13, w_down, I)
+    moe = moe_grouped if backend == "grouped" else moe_loop
 
     def layer(x, kc, vc, plan):
         B = x.shape[0]
@@ -306,8 +297,8 @@ def deployment_params(model: str, preset: str | None, tp: int, dtype: str = "bf1
     device preset, as ``eldr bench cost-model`` computes them; {} without a preset (no KV cap, said)."""
     if preset is None:
         return {}
+    from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
     from eldr_cli.costmodel.roofline import build
-    from eldr_cli.pipeline.capacity_verdict import DEPLOYMENT_KEYS
 
     _, _, _, d = build(model, device=preset, dtype=dtype, tp=tp)
     dep = d.as_params()
@@ -334,26 +325,32 @@ def shipped_rows(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1, compile
         {**sec, "gpu": doc["device"], "preset": preset}
 
 
-def run_decode_step_from_measured(out: str | os.PathLike, *, device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
-                                  compiled: bool = True) -> Path:
-    """A `cost-model` artifact from a decode layer measured on a GPU and shipped with eldr (no GPU needed)."""
+def _write(out, rows: list[dict], head_rows: list[dict], shape: dict, device: str, preset: str | None,
+           params: dict, metrics: dict | None = None) -> Path:
+    """Fit the layer and the LM head, and write them as a `cost-model` artifact (source
+    ``measured-decode-step``) with the device preset's deployment (none without a preset: no KV cap)."""
     import polars as pl
 
     from eldr_cli.costmodel import write_cost_model
 
-    rows, sec = shipped_rows(device, model, tp, compiled)
     coef, fit, rows = fit_decode_step(rows)
-    head = fit_lm_head(sec["lm_head"])
-    shape = sec["shape"]
-    cm = cost_model_of(coef, shape, f"cuda ({sec['gpu']})", head)
+    head = fit_lm_head(head_rows)
     tables = {"decode_step_timings": pl.DataFrame(rows)}
-    if sec["lm_head"]:
-        tables["lm_head_timings"] = pl.DataFrame(sec["lm_head"])
-    return write_cost_model(out, cm, params={
-        **shape, "label": "MEASURED", "timed": sec["timed"], "compiled": compiled, "measured": MEASURED_PROVENANCE,
-        "layer_ms": coef, "lm_head_ms": head or "not measured: the step has no LM head term",
-        "measured_file": MEASURED_FILES[sec["preset"]], **deployment_params(shape["model"], sec["preset"], tp)},
-        metrics={f"fit_{k}": v for k, v in fit.items()}, tables=tables)
+    if head_rows:
+        tables["lm_head_timings"] = pl.DataFrame(head_rows)
+    return write_cost_model(out, cost_model_of(coef, shape, device, head), params={
+        **params, "label": "MEASURED", "layer_ms": coef, "lm_head_ms": head or "not measured (no vocabulary)",
+        **deployment_params(shape["model"], preset, shape["tp"])},
+        metrics={**{f"fit_{k}": v for k, v in fit.items()}, **(metrics or {})}, tables=tables)
+
+
+def run_decode_step_from_measured(out: str | os.PathLike, *, device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
+                                  compiled: bool = True) -> Path:
+    """A `cost-model` artifact from a decode layer measured on a GPU and shipped with eldr (no GPU needed)."""
+    rows, sec = shipped_rows(device, model, tp, compiled)
+    return _write(out, rows, sec["lm_head"], sec["shape"], f"cuda ({sec['gpu']})", sec["preset"],
+                  {**sec["shape"], "timed": sec["timed"], "compiled": compiled, "measured": MEASURED_PROVENANCE,
+                   "measured_file": MEASURED_FILES[sec["preset"]]})
 
 
 def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp: int = 1, batches=DEFAULT_BATCHES,
@@ -362,9 +359,6 @@ def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp:
                     compile: bool | None = None, shape: dict | None = None, progress=None) -> Path:
     """Time, fit and write a `cost-model` artifact (source ``measured-decode-step``). ``shape`` overrides
     the preset's layer shape (tests time a small layer on a CPU). ``compile`` None: on a GPU (as vLLM runs)."""
-    import polars as pl
-
-    from eldr_cli.costmodel import write_cost_model
     from eldr_cli.costmodel.moe_layer import device_label, resolve_device
 
     dev = resolve_device(device)
@@ -374,25 +368,13 @@ def run_decode_step(out: str | os.PathLike, *, model: str = "Qwen3-30B-A3B", tp:
     rows, facts = time_decode_step(shape, batches=batches, actives=actives, contexts=contexts, device=dev,
                                    dtype=dtype, backend=backend, launch=launch, repeats=repeats, seed=seed,
                                    compile=compile, progress=progress)
-    coef, fit, rows = fit_decode_step(rows)
     head_rows = time_lm_head(shape, batches=batches, device=dev, dtype=dtype, launch=launch, repeats=repeats,
                              seed=seed, compile=compile)
-    head = fit_lm_head(head_rows)
-    label = device_label(dev)
-    cm = cost_model_of(coef, shape, label, head)
-    metrics = {**{f"fit_{k}": v for k, v in fit.items()}, "measure_s": round(time.perf_counter() - t0, 2)}
     preset = None
     if dev == "cuda" and facts["dtype"] == "bfloat16":
         import torch
 
         preset = gpu_preset(torch.cuda.get_device_name())
-    dep = deployment_params(shape["model"], preset, shape["tp"]) if preset else {}
-    tables = {"decode_step_timings": pl.DataFrame(rows)}
-    if head_rows:
-        tables["lm_head_timings"] = pl.DataFrame(head_rows)
-    return write_cost_model(out, cm, params={**facts, "label": "MEASURED", "batches": list(batches),
-                                             "actives": list(actives), "contexts": list(contexts), "seed": seed,
-                                             "layer_ms": coef,
-                                             "lm_head_ms": head or "not measured: the shape has no vocabulary",
-                                             **dep},
-                            metrics=metrics, tables=tables)
+    return _write(out, rows, head_rows, shape, device_label(dev), preset,
+                  {**facts, "batches": list(batches), "actives": list(actives), "contexts": list(contexts),
+                   "seed": seed}, metrics={"measure_s": round(time.perf_counter() - t0, 2)})

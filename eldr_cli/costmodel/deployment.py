@@ -34,6 +34,17 @@ TP_CHOICES = (1, 2, 4, 8, 16)
 KV_BLOCK_TOKENS = 16  # vLLM's default KV block size (the simulator and the emulator allocate in blocks)
 # the params keys every roofline cost model carries at its top level (tools read them)
 DEPLOYMENT_KEYS = ("tp", "ep", "dtype", "gpus_per_instance", "kv_capacity_tokens")
+
+
+def deployment_from_params(params: dict) -> dict | None:
+    """The deployment a cost-model artifact's ``params`` carry (its ``deployment`` dict and the top-level
+    keys), or None when it has no KV capacity (a CPU-measured model, or one written before deployments were
+    checked): decoders are then not KV-capped."""
+    if "kv_capacity_tokens" not in params:
+        return None
+    return {**params.get("deployment", {}), **{k: params[k] for k in DEPLOYMENT_KEYS if k in params}}
+
+
 TP16_NOTE = "TP16 is 16 GPUs per instance: two 8-GPU nodes (vLLM runs it with multi-node parallelism)"
 
 

@@ -155,15 +155,18 @@ def device_label(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def _bf16_moe(w_gate, w_up, w_down, w13, intermediate: int):
-    """(per-expert loop, grouped GEMM) forms of the MoE layer over the given weights."""
+def moe_forms(w13, w_down, intermediate: int):
+    """(per-expert loop over ``[(expert, token indices)]``, grouped GEMM over a ``(token order, row offsets)``
+    plan) forms of one SwiGLU MoE layer: gate and up as one ``[E, H, 2I]`` bank ``w13`` (the loop multiplies
+    by its two halves, the grouped GEMM by the whole bank, as fused MoE kernels do), down ``[E, I, H]``.
+    ``bench moe-layer`` and ``bench decode-step`` time these."""
     import torch
 
     def moe(x, routes):
         out = torch.zeros_like(x)
         for e, idx in routes:
             xe = x.index_select(0, idx)
-            h = torch.nn.functional.silu(xe @ w_gate[e]) * (xe @ w_up[e])
+            h = torch.nn.functional.silu(xe @ w13[e, :, :intermediate]) * (xe @ w13[e, :, intermediate:])
             out.index_add_(0, idx, h @ w_down[e])
         return out
 
@@ -185,7 +188,6 @@ def _fp8_grouped(w13, w_down, intermediate: int, dev):
     import torch
 
     f8 = torch.float8_e4m3fn
-    assert w13 is not None  # fp8 is grouped only (resolve_backend)
     w8 = [w.transpose(1, 2).contiguous().to(f8) for w in (w13, w_down)]
     s8 = [torch.ones(w.shape[0], w.shape[1], device=dev, dtype=torch.float32) for w in w8]
 
@@ -236,11 +238,11 @@ def time_moe_layer(*, num_experts: int = 64, hidden: int = 1024, intermediate: i
     w_attn = (torch.randn(4, hidden, hidden, generator=g) * scale).to(dev, dt)
     rng = np.random.default_rng(seed)
 
-    # the grouped GEMM reads gate and up as one [E, H, 2I] bank, as fused MoE kernels do (w13)
-    w13 = torch.cat([w_gate, w_up], dim=2) if backend == "grouped" else None
+    w13 = torch.cat([w_gate, w_up], dim=2)  # gate and up as one bank (see moe_forms)
+    del w_gate, w_up
     moe_fp8 = _fp8_grouped(w13, w_down, intermediate, dev) if fp8 else None
 
-    moe, moe_grouped = _bf16_moe(w_gate, w_up, w_down, w13, intermediate)
+    moe, moe_grouped = moe_forms(w13, w_down, intermediate)
 
     def non_moe(x):
         var = x.pow(2).mean(-1, keepdim=True)

@@ -45,6 +45,7 @@ from eldr_cli.costmodel.deployment import (
     GPU_MEMORY_UTILIZATION,
     MIN_KV_TOKENS,
     Deployment,
+    deployment_from_params,
     plan,
 )
 from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, device_facts, model_config
@@ -295,9 +296,7 @@ class RooflineCostModel(CostModel):
                      tp=int(p["tp"]), ep=int(p["ep"]), efficiency=float(p["bandwidth_efficiency"]),
                      **_fixed_costs(p))
         c = p["coefficients_ms"]
-        # artifacts written before deployments were checked carry no KV capacity: no deployment (no cap)
-        dep = {**p.get("deployment", {}), **{k: p[k] for k in DEPLOYMENT_KEYS}} \
-            if "kv_capacity_tokens" in p else None
+        dep = deployment_from_params(p)  # none in artifacts written before deployments were checked (no cap)
         return cls(a_ms=c["a"], b_ms=c["b"], c_ms=c["c"], e_ms=c.get("e", 0.0), d_ms=c.get("d", 0.0),
                    source="roofline", device=p.get("device", ""), top_k=p.get("top_k"), deployment=dep,
                    roofline=r, reference_context=int(p.get("reference_context", 0)))

@@ -10,6 +10,7 @@ import numpy as np
 from eldr_cli.pipeline.capacity import (
     CI_METHOD,
     CLAIRVOYANT,
+    LIMITS,
     LOAD_BALANCERS,
     ORACLE,
     SLO,
@@ -113,20 +114,19 @@ def best_lb_at(study: dict, pct: int) -> dict | None:
             "indistinguishable_from": ties}
 
 
-def live_minus_eldr(study: dict, a: str = "eldr-live", b_: str = "eldr") -> Interval | None:
-    """``a``'s capacity gain minus ``b_``'s (eldr-live's minus eldr's unless given), both against the best load
-    balancer, paired per seed, in percentage points (widened by the capacity search's tolerance as
-    :func:`capacity_gain` is)."""
-    if not {a, b_} <= set(study["capacity"]):
+def gain_difference(study: dict, a: str, b: str) -> Interval | None:
+    """``a``'s capacity gain minus ``b``'s, both against the best load balancer, paired per seed, in
+    percentage points (widened by the capacity search's tolerance as :func:`capacity_gain` is)."""
+    if not {a, b} <= set(study["capacity"]):
         return None
-    b = _rates(study, study["best_lb"])
-    diff = [100.0 * (x - y) / z for x, y, z in zip(_rates(study, a), _rates(study, b_), b, strict=True)
+    lb = _rates(study, study["best_lb"])
+    diff = [100.0 * (x - y) / z for x, y, z in zip(_rates(study, a), _rates(study, b), lb, strict=True)
             if z > 0]
     iv = mean_ci(diff)
     if iv is None or iv.lo is None or iv.hi is None:
         return iv
-    top = max(float(np.mean(_rates(study, r))) for r in (a, b_))
-    tol = 100.0 * TOLERANCE * top / max(float(np.mean(b)), 1e-9)
+    top = max(float(np.mean(_rates(study, r))) for r in (a, b))
+    tol = 100.0 * TOLERANCE * top / max(float(np.mean(lb)), 1e-9)
     return Interval(iv.mean, iv.lo - tol, iv.hi + tol, iv.n)
 
 
@@ -144,8 +144,8 @@ def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> 
     loads = sorted({row["load_pct"] for row in study["by_load"]})
     v["best_lb_by_load"] = [b for pct in loads if (b := best_lb_at(study, pct)) is not None]
     at = {b["load_pct"]: b["router"] for b in v["best_lb_by_load"]}
-    v["eldr_live_minus_eldr_capacity_pp"] = _iv(live_minus_eldr(study), 2)
-    v["clairvoyant_minus_eldr_live_capacity_pp"] = _iv(live_minus_eldr(study, CLAIRVOYANT, "eldr-live"), 2)
+    v["eldr_live_minus_eldr_capacity_pp"] = _iv(gain_difference(study, "eldr-live", "eldr"), 2)
+    v["clairvoyant_minus_eldr_live_capacity_pp"] = _iv(gain_difference(study, CLAIRVOYANT, "eldr-live"), 2)
     v["best_load_balancer_indistinguishable_from"] = [
         r for r in routers if r in LOAD_BALANCERS and r != best
         and (c := paired_pct_ci(_rates(study, r), _rates(study, best))) is not None and c.spans_zero]
@@ -226,7 +226,7 @@ def tpot_figure(path: Path, v: dict) -> Path | None:
             if not pts:
                 continue
             xs = [p for p, _ in pts]
-            style = dict(lw=2.4) if is_candidate(r) else (dict(ls=":", lw=1.6) if r in LIMIT_NAMES else dict(lw=1.2))
+            style = dict(lw=2.4) if is_candidate(r) else (dict(ls=":", lw=1.6) if r in LIMITS else dict(lw=1.2))
             ax.plot(xs, [m["mean"] for _, m in pts], marker="o", ms=3, label=r, **style)
             if all(m["ci95"][0] is not None for _, m in pts):
                 ax.fill_between(xs, [m["ci95"][0] for _, m in pts], [m["ci95"][1] for _, m in pts], alpha=0.18)
@@ -314,7 +314,7 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried:
             more = "more" if iv.mean >= 0 else "less"
             out += (f" {name} carries {abs(iv.mean):.1f}% {more} traffic at this SLO "
                     f"(95% CI {iv.lo:+.1f} to {iv.hi:+.1f}%)")
-            if saved is not None and iv.mean > 0 and r not in LIMIT_NAMES:
+            if saved is not None and iv.mean > 0 and r not in LIMITS:
                 out += f": the same traffic on {saved.mean:.0f}% fewer decode instances"
             out += "."
     out += _predictor_words(v)
