@@ -81,12 +81,12 @@ def _decoder_layer(shape: dict, backend: str, w):
     """One decoder layer as a function ``layer(x, k_cache, v_cache, plan)``, its weights drawn by ``w``."""
     import torch
 
-    from eldr_cli.costmodel.moe_layer import moe_forms
+    from eldr_cli.costmodel.moe_layer import moe_form
 
     E, H, I, k = shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"]
     nq, nkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
     w_qkv, w_o, w_router = w(H, (nq + 2 * nkv) * hd, fan=H), w(nq * hd, H, fan=nq * hd), w(H, E, fan=H)
-    w13, w_down = w(E, H, 2 * I, fan=H), w(E, I, H, fan=I)  # gate and up as one bank, as fused MoE kernels
+    moe = moe_form(w(E, H, I, fan=H), w(E, H, I, fan=H), w(E, I, H, fan=I), I, backend)
 
     def rms(x):
         return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
@@ -99,8 +99,6 @@ def _decoder_layer(shape: dict, backend: str, w):
             return torch.nn.functional.scaled_dot_product_attention(q, kc.repeat_interleave(r, 1),
                                                                     vc.repeat_interleave(r, 1))
 
-    moe_loop, moe_grouped = moe_forms(w13, w_down, I)
-    moe = moe_grouped if backend == "grouped" else moe_loop
 
     def layer(x, kc, vc, plan):
         B = x.shape[0]
