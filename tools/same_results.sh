@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Same inputs, two checkouts: compare artifact content hashes of fit, place, simulate and replay.
-# usage: same_results.sh OLD_TREE NEW_TREE
+# usage: same_results.sh OLD_TREE NEW_TREE   (SAME_DIR: where the two runs go, default /tmp)
 set -euo pipefail
+D=${SAME_DIR:-/tmp}
 run() {  # tree outdir
   local T=$1 O=$2; rm -rf "$O"; mkdir -p "$O"
   ( cd "$T" && export PYTHONPATH=$T
@@ -23,13 +24,13 @@ run_simulate(o / "sim", trace=o / "trace", cost_model=o / "cost", routing=o / "f
 PY
     $E bench replay --trace "$O/trace" --routing "$O/fit" --out "$O/replay" --split all >/dev/null 2>&1 || echo "replay cli differs" )
 }
-run "$1" /tmp/same-old; run "$2" /tmp/same-new
+run "$1" "$D/same-old"; run "$2" "$D/same-new"
 for f in requests.parquet steps.parquet; do  # the sim's summary carries its wall time: compare its tables
-  a=$(sha256sum /tmp/same-old/sim/$f | cut -c1-16); b=$(sha256sum /tmp/same-new/sim/$f | cut -c1-16)
+  a=$(sha256sum $D/same-old/sim/$f | cut -c1-16); b=$(sha256sum $D/same-new/sim/$f | cut -c1-16)
   echo "sim/$f old=$a new=$b $([ "$a" = "$b" ] && echo SAME || echo DIFFERENT)"
 done
 for a in trace fit/idf fit/layers fit/routing place replay; do
-  h1=$(python3 -c "import json;print(json.load(open('/tmp/same-old/$a/manifest.json')).get('content_hash'))" 2>/dev/null || echo none)
-  h2=$(python3 -c "import json;print(json.load(open('/tmp/same-new/$a/manifest.json')).get('content_hash'))" 2>/dev/null || echo none)
+  h1=$(python3 -c "import json;print(json.load(open('$D/same-old/$a/manifest.json')).get('content_hash'))" 2>/dev/null || echo none)
+  h2=$(python3 -c "import json;print(json.load(open('$D/same-new/$a/manifest.json')).get('content_hash'))" 2>/dev/null || echo none)
   echo "$a old=$h1 new=$h2 $([ "$h1" = "$h2" ] && echo SAME || echo DIFFERENT)"
 done
