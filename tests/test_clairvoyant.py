@@ -49,8 +49,8 @@ def _clairvoyant(future: dict):
 
 def test_eldr_live_picks_by_prototypes_the_clairvoyant_by_the_true_future():
     live = make_router("eldr-live", 2, model=_model(), cost=COST).policy
-    live.on_dispatch(0, 0, LiveDetail(0, 0))
-    live.on_dispatch(1, 1, LiveDetail(1, 0))
+    live.on_dispatch(0, 0, LiveDetail(live.live.source.entries[0], 0))
+    live.on_dispatch(1, 1, LiveDetail(live.live.source.entries[1], 0))
     r = live.rank([1, 1], PROTO0)
     assert r.first == 0
     np.testing.assert_allclose(r.predicted_ms, [2.3, 2.8], rtol=1e-6)
@@ -75,10 +75,10 @@ def test_the_live_set_follows_dispatch_and_finish_and_recounts_exactly():
     pol = router.policy
     assert isinstance(pol, ClairvoyantPolicy)
     np.testing.assert_allclose(pol.idle_probabilities(), [[1, 1, 0, 0], [0, 0, 1, 1]], atol=1e-5)
-    np.testing.assert_allclose(pol._exact_log_q(0), pol.log_q[0], rtol=1e-6)
+    np.testing.assert_allclose(pol.live.exact_log_q(0), pol.live.log_q[0], rtol=1e-6)
     router.on_finish(0, 0)
     np.testing.assert_allclose(pol.idle_probabilities()[0], [1, 1, 1, 1], atol=1e-6)
-    assert pol.active[0] == pytest.approx(0.0, abs=1e-5)
+    assert pol.live.view()[1][0] == pytest.approx(0.0, abs=1e-5)
 
 
 def test_future_activations_are_decode_counts_over_decode_steps():

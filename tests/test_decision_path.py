@@ -89,7 +89,7 @@ def test_the_live_set_and_the_loads_hold_requests_waiting_on_a_slow_reservation(
         for n, t in enumerate(ts):
             t.start()
             assert _until(lambda: len(seen) == n + 1)  # noqa: B023 - one decision at a time: a known order
-        assert int(pol.counts.sum()) == 4  # in the live set from the decision on ...
+        assert int(pol.live.counts.sum()) == 4  # in the live set from the decision on ...
         assert sum(w.inflight for w in app.state.decode.workers) == 4  # ... and in the decoders' loads
         assert [sum(ld) for ld in seen] == [0, 1, 2, 3]  # each decision saw the ones before it
         assert sum(s.app.running for s in servers[1:]) == 0  # no decode leg has started: all wait on Redis
@@ -172,12 +172,18 @@ def test_a_reservation_naming_a_worker_that_left_is_decided_locally_and_counted(
             s.stop()
 
 
-def test_four_replicas_summed_live_sets_equal_one_proxys_after_any_sequence(tmp_path):
+@pytest.mark.parametrize("own_prediction", [False, True])
+def test_four_replicas_summed_live_sets_equal_one_proxys_after_any_sequence(tmp_path, own_prediction):
     """Dispatches, retries (a move to another decoder), cancels and finishes in random order, spread over 4
-    replicas, against one router that sees every event: after merging, each replica's view equals the one's."""
+    replicas, against one router that sees every event: after merging, each replica's counts per prototype and
+    tokens equal the one's; with the prototype predictor so do its idle probabilities; with the per-request
+    (shrunk) prediction each replica holds its own requests by their own prediction and the others' by their
+    prototype's mean, exactly (issue 35: what replicas share is counts that sum)."""
     from eldr_cli.routing import RoutingModel
 
     model = RoutingModel.load(build_routing(tmp_path, decoders=4))
+    L0 = model.shape[0]
+    model.live_shrinkage = (np.full(L0, 8.0), np.full(L0, 0.5)) if own_prediction else None
     one = make_router("eldr-live", 4, model=model)
     reps = [make_router("eldr-live", 4, model=model) for _ in range(4)]
     rng = np.random.default_rng(7)
@@ -210,9 +216,17 @@ def test_four_replicas_summed_live_sets_equal_one_proxys_after_any_sequence(tmp_
             _merge(reps)
             for r in reps:
                 pr, po = r.policy, one.policy
-                assert ((pr.counts + pr.remote) == po.counts).all()
-                assert ((pr.tokens + pr.remote_tokens) == po.tokens).all()
-                np.testing.assert_allclose(pr.idle_probabilities(), po.idle_probabilities(), rtol=1e-4, atol=1e-6)
+                lr, lo = pr.live, po.live
+                assert ((lr.counts + lr.remote) == lo.counts).all()
+                assert ((lr.tokens + lr.remote_tokens) == lo.tokens).all()
+                if not own_prediction:
+                    np.testing.assert_allclose(pr.idle_probabilities(), po.idle_probabilities(), rtol=1e-4,
+                                               atol=1e-6)
+                else:  # own requests by their own entries, the others' by their prototype's row of the table
+                    exact = np.stack([np.exp(np.maximum(lr.exact_log_q(d), -60.0)) for d in range(4)])
+                    np.testing.assert_allclose(pr.idle_probabilities(), exact, rtol=1e-4, atol=1e-6)
+                    mine = [k for k, (rep, _) in live.items() if reps[rep] is r]
+                    assert sorted(lr.where) == sorted(mine)
 
 
 def _merge(reps):

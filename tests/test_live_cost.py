@@ -31,7 +31,7 @@ def _policy(cost, tokens: tuple[int, int, int] = (0, 0, 0)) -> EldrLivePolicy:
     pol = make_router("eldr-live", 2, model=model, cost=cost).policy
     assert isinstance(pol, EldrLivePolicy)
     for key, (w, m, tok) in enumerate([(0, 0, tokens[0]), (0, 0, tokens[1]), (1, 1, tokens[2])]):
-        pol.on_dispatch(w, key, LiveDetail(m, tok))
+        pol.on_dispatch(w, key, LiveDetail(pol.live.source.entries[m], tok))
     return pol
 
 
@@ -39,7 +39,7 @@ def test_linear_cost_model_two_decoders_by_hand():
     # const = a = 1, kb = b = 0.5, kt = c = 0.1 (one layer)
     pol = _policy(CostModel(a_ms=1.0, b_ms=0.5, c_ms=0.1, source="given"))
     np.testing.assert_allclose(pol.idle_probabilities(), [[0.25, 0.25, 1, 1], [1, 1, 0.5, 0.5]])
-    np.testing.assert_allclose(pol.active, [1.5, 1.0])
+    np.testing.assert_allclose(pol.live.view()[1], [1.5, 1.0])
     # T_0 = 1 + 0.2 + 0.75 = 1.95, T'_0 = 1 + 0.3 + 0.875 = 2.175, cost_0 = 2.175 + 2 * 0.225 = 2.625
     # T_1 = 1 + 0.1 + 0.5  = 1.6,  T'_1 = 1 + 0.2 + 1.0   = 2.2,   cost_1 = 2.2   + 1 * 0.6   = 2.8
     r = pol.rank([2, 1], PROTO0)

@@ -81,7 +81,7 @@ def test_idle_decoder_wins_at_low_load_and_shared_experts_under_load():
     # under load: decoder k runs 6 requests of prototype k; a request of prototype 2 joins decoder 2
     for k in range(4):
         for i in range(6):
-            pol.on_dispatch(k, f"{k}-{i}", LiveDetail(prototype=k, tokens=0))
+            pol.on_dispatch(k, f"{k}-{i}", LiveDetail(pol.live.source.entries[k], 0))
     ranking = pol.rank([6, 6, 6, 6], _sig(2))
     assert ranking.first == 2 and int(np.argmin(ranking.predicted_ms)) == 2
     # the load cap: decoder 2 far above the least loaded is not a candidate
@@ -106,16 +106,16 @@ def test_replicas_vectors_sum_to_a_single_router():
         b.merge_state(w, a.export_state(w))
     for rep in (a, b):
         np.testing.assert_allclose(rep.idle_probabilities(), one.idle_probabilities(), rtol=1e-5)
-        assert (rep.tokens + rep.remote_tokens == one.tokens).all()
+        assert (rep.live.tokens + rep.live.remote_tokens == one.live.tokens).all()
         for m in range(4):
             assert rep.rank([5, 3, 4, 6], _sig(m), tokens=7).first == one.rank([5, 3, 4, 6], _sig(m), tokens=7).first
     # the other replica's requests end: its vectors go back to zero and so does every q
     for i in range(0, 40, 2):
-        b.on_finish(int(one.where[i][0]), i)
+        b.on_finish(int(one.live.where[i][0]), i)
     for w in range(4):
         a.merge_state(w, b.export_state(w))
     for i in range(1, 40, 2):
-        a.on_finish(int(one.where[i][0]), i)
+        a.on_finish(int(one.live.where[i][0]), i)
     for w in range(4):
         b.merge_state(w, a.export_state(w))
     assert a.is_empty() and b.is_empty()
@@ -160,7 +160,7 @@ def test_growth_is_the_cost_of_one_more_request_the_loads_left_out():
 def test_live_set_stays_exact_over_a_long_run_and_a_recount():
     """log q is float32 and updated by adding and subtracting: after many arrivals and departures (more than
     RECOUNT_EVERY on a decoder) q still equals its value computed afresh from the counts."""
-    from eldr_cli.routing.live import RECOUNT_EVERY
+    from eldr_cli.routing.live_set import RECOUNT_EVERY
 
     rng = np.random.default_rng(1)
     M1, K = 5, 2
@@ -171,23 +171,24 @@ def test_live_set_stays_exact_over_a_long_run_and_a_recount():
         if len(live) < 24 or rng.random() < 0.5:
             w = int(rng.integers(K))
             detail = pol.rank([0] * K, None, tokens=3).detail
-            pol.on_dispatch(w, i, detail._replace(prototype=int(rng.integers(M1))))
+            pol.on_dispatch(w, i, detail._replace(entry=pol.live.source.entries[int(rng.integers(M1))]))
             live.append((w, i))
         else:
             w, k = live.pop(int(rng.integers(len(live))))
             pol.on_finish(w, k)
-    exact = np.exp(np.maximum(pol.counts @ np.log1p(-act.reshape(M1, -1).astype(np.float64)), -60.0))
+    exact = np.exp(np.maximum(pol.live.counts @ np.log1p(-act.reshape(M1, -1).astype(np.float64)), -60.0))
     np.testing.assert_allclose(pol.idle_probabilities(), exact, rtol=2e-4)
-    np.testing.assert_allclose(pol.active, (1 - exact).sum(axis=1), rtol=1e-4)
+    np.testing.assert_allclose(pol.live.view()[1], (1 - exact).sum(axis=1), rtol=1e-4)
     for w, k in live:
         pol.on_finish(w, k)
-    assert pol.is_empty() and (pol.idle_probabilities() == 1).all() and not pol.active.any()
+    assert pol.is_empty() and (pol.idle_probabilities() == 1).all() and not pol.live.view()[1].any()
 
 
 def test_the_exact_recount_is_observed():
     """Float32 updates of log q drift from the exact sum; after RECOUNT_EVERY changes of a decoder the next
     refresh recounts it from the integer counts (local + remote): log q is then the float64 sum, rounded once."""
-    from eldr_cli.routing.live import RECOUNT_EVERY, LiveDetail
+    from eldr_cli.routing.live import LiveDetail
+    from eldr_cli.routing.live_set import RECOUNT_EVERY
 
     rng = np.random.default_rng(2)
     M1 = 5
@@ -199,19 +200,19 @@ def test_the_exact_recount_is_observed():
     live: list = []
     for i in range(RECOUNT_EVERY - 2):  # changes without a refresh in between: the float32 sum drifts
         if len(live) < 12 or (rng.random() < 0.5 and len(live) < 40):
-            pol.on_dispatch(0, i, LiveDetail(int(rng.integers(M1)), 1))
+            pol.on_dispatch(0, i, LiveDetail(pol.live.source.entries[int(rng.integers(M1))], 1))
             live.append(i)
         else:
             pol.on_finish(0, live.pop(int(rng.integers(len(live)))))
-    assert pol._changes[0] == RECOUNT_EVERY - 1  # the remote vector's change counts as one
-    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    assert pol.live._changes[0] == RECOUNT_EVERY - 1  # the remote vector's change counts as one
+    exact = ((pol.live.counts[0] + pol.live.remote[0]) @ log_idle).astype(np.float32)
     pol.idle_probabilities()
-    assert np.abs(pol.log_q[0] - exact).max() > 0  # drifted: the check below is not vacuous
-    pol.on_dispatch(0, "last", LiveDetail(3, 1))  # the RECOUNT_EVERY-th change
-    exact = ((pol.counts[0] + pol.remote[0]) @ log_idle).astype(np.float32)
+    assert np.abs(pol.live.log_q[0] - exact).max() > 0  # drifted: the check below is not vacuous
+    pol.on_dispatch(0, "last", LiveDetail(pol.live.source.entries[3], 1))  # the RECOUNT_EVERY-th change
+    exact = ((pol.live.counts[0] + pol.live.remote[0]) @ log_idle).astype(np.float32)
     pol.idle_probabilities()
-    np.testing.assert_array_equal(pol.log_q[0], exact)  # recounted: exact, bit for bit
-    assert pol._changes[0] == 0
+    np.testing.assert_array_equal(pol.live.log_q[0], exact)  # recounted: exact, bit for bit
+    assert pol.live._changes[0] == 0
 
 
 def test_artifact_without_the_live_model_is_refused_by_name():
@@ -247,7 +248,7 @@ def test_simulator_live_set_is_empty_after_every_request(tmp_path, monkeypatch):
             return getattr(self.r, name)
 
         def decide(self, counts, loads, **k):
-            live = self.r.policy.counts.sum(axis=1).tolist()
+            live = self.r.live_set.counts.sum(axis=1).tolist()
             if live != list(loads):
                 seen["mismatch"].append((live, list(loads)))
             seen["decide"] += 1
@@ -310,7 +311,7 @@ def test_proxy_live_set_empties_after_success_error_and_cancel(routing3, tmp_pat
         with httpx.Client(timeout=30) as client, contextlib.ExitStack() as stack:
             for i in range(3):
                 _open_stream(stack, client, c.url, f"held open {i}")
-            assert sum(pol.counts.sum(axis=1)) == 3  # three live requests while their streams are open
+            assert sum(pol.live.counts.sum(axis=1)) == 3  # three live requests while their streams are open
         assert c.settle(30) == 0
         assert pol.is_empty()
     finally:

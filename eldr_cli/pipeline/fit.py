@@ -134,7 +134,8 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                                 "num_layers": trace.num_layers, "num_experts": trace.num_experts,
                                 "top_k": trace.top_k, "model": trace.model.get("model"),
                                 "domain_share": share, "drift": drift,
-                                "live_prototypes": None if live is None else int(live.prototypes_.shape[0])},
+                                "live_prototypes": None if live is None else int(live.prototypes_.shape[0]),
+                                "live_predictor": None if live is None else live.predictor_},
                         inputs={"trace": trace_path, "layers": layers_path}) as w:
         w.write_array("weights", weights)
         w.write_array("idf", lay.array("idf"))
@@ -144,6 +145,9 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
         if live is not None:  # what the eldr-live policy predicts a request's decode experts from
             w.write_array("live_prototypes", live.prototypes_)
             w.write_array("live_activation", live.activation_)
+            w.write_array("live_kappa", live.shrinkage_.kappa)
+            w.write_array("live_weight", live.shrinkage_.weight)
+            w.metrics["live_predictor_quality"] = live.quality_
         w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
                           "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
                           "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
@@ -165,7 +169,8 @@ def _fit_decode_activation(S: np.ndarray, trace: Trace, rows: np.ndarray, seed: 
     if int((steps > 0).sum()) < 2:
         return None
     with blas_threads(1):
-        return DecodeActivation(seed=seed).fit(S, np.asarray(trace.decode_counts[rows]), steps)
+        return DecodeActivation(seed=seed).fit(S, np.asarray(trace.decode_counts[rows]), steps,
+                                               np.asarray(trace.prefill_counts[rows]), trace.top_k)
 
 
 def run_fit(trace_path, out, *, decoders: int, pairs: int = 20000, transform: str = "auto", seed: int = 0,

@@ -93,6 +93,9 @@ def run_fit_from_log(log, out, *, routing, decoders: int | None = None, tau: flo
         if model.live is not None:
             w.write_array("live_prototypes", src.array("live_prototypes"))
             w.write_array("live_activation", src.array("live_activation"))
+            if src.params.get("live_predictor"):
+                w.write_array("live_kappa", src.array("live_kappa"))
+                w.write_array("live_weight", src.array("live_weight"))
         w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
                           "mean_cosine_distance": km.objective_ / len(S), "capacity": km.capacity_,
                           "n_iter": km.n_iter_, "n_signatures": int(len(S)), "fit_s": 0.0})

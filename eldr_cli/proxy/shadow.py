@@ -19,12 +19,10 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import Decision, DecodeRouter
-from eldr_cli.routing.live import LiveDetail
+from eldr_cli.routing.live import LiveDetail, live_set
+from eldr_cli.routing.live_set import LiveSet
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.base import ProxyState
@@ -32,19 +30,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("eldr.proxy")
 
 
-def _predictor(state: ProxyState, n: int) -> Any:
+def _predictor(state: ProxyState, n: int) -> LiveSet | None:
     """An eldr-live live set used only to predict step times (None without a decode-activation model)."""
-    from eldr_cli.routing.live import EldrLivePolicy
-
     if state.model is None or state.model.live is None:
         return None
-    return EldrLivePolicy(n, model=state.model, cost=state.cost)
+    return live_set(n, state.model, state.cost)
 
 
 class Shadow:
     """One shadow policy: its router, counterfactual in-flight counts, and its assignment's predictor."""
 
-    def __init__(self, name: str, router: DecodeRouter, predictor: Any):
+    def __init__(self, name: str, router: DecodeRouter, predictor: LiveSet | None):
         self.name = name
         self.router = router
         self.loads = [0] * router.n_workers
@@ -62,7 +58,7 @@ class ShadowSet:
         self.names = list(dict.fromkeys(names))
         self.refused: dict[str, str] = {}
         self.shadows: list[Shadow] = []
-        self.live_predictor: Any = None
+        self.live_predictor: LiveSet | None = None
         self._built_for: Any = None
         self.seconds: Any = None  # the shadows' decision-time histogram, once registered
         self._build()
@@ -78,13 +74,13 @@ class ShadowSet:
                 self.refused[name] = str(e).splitlines()[0]
                 log.warning("shadow policy %s refused: %s; the proxy serves without it", name, self.refused[name])
                 continue
-            pred = router.policy if router.name == "eldr-live" else _predictor(st, n)
+            pred = router.live_set if router.live_set is not None else _predictor(st, n)
             self.shadows.append(Shadow(name, router, pred))
         live = st.router
         self.live_predictor = _predictor(st, n) if self.shadows else None
         self._live_is_predictor = False
-        if live.name == "eldr-live" and self.live_predictor is not None:
-            self.live_predictor, self._live_is_predictor = live.policy, True
+        if live.live_set is not None and self.live_predictor is not None:
+            self.live_predictor, self._live_is_predictor = live.live_set, True
         self._built_for = (st.model, n, live)
 
     def describe(self) -> dict[str, Any]:
@@ -143,9 +139,9 @@ class ShadowSet:
             sh.loads[d.worker] += 1
             if isinstance(d.detail, LiveDetail):
                 known = d.detail
-            if sh.predictor is not None and sh.predictor is not sh.router.policy:
+            if sh.predictor is not None and sh.predictor is not sh.router.live_set:
                 known = self._detail(counts, d, tokens, known)
-                sh.predictor.on_dispatch(d.worker, rid, known)
+                sh.predictor.add(d.worker, rid, known.entry, known.tokens)
             sh.where[rid] = (d.worker, d)
             sh.decisions += 1
             sh.agree += d.worker == live.worker
@@ -154,25 +150,24 @@ class ShadowSet:
                             [round(float(x), 4) for x in d.predicted_ms]}
         lp = self.live_predictor
         if lp is not None and not self._live_is_predictor:
-            lp.on_dispatch(live.worker, rid, self._detail(counts, live, tokens, known))
+            det = self._detail(counts, live, tokens, known)
+            lp.add(live.worker, rid, det.entry, det.tokens)
         return out
 
-    def _detail(self, counts: Any, d: Decision, tokens: int | None, known: Any) -> Any:
-        """A predictor's record of a request (nearest prototype, tokens): the decision's own when it is
-        eldr-live's, else one already found for this request, else from the counts (Eq. 2 once)."""
+    def _detail(self, counts: Any, d: Decision, tokens: int | None, known: Any) -> LiveDetail:
+        """A predictor's record of a request (its live entry, tokens): the decision's own when it is eldr-live's,
+        else one already found for this request, else predicted from the counts once."""
         if isinstance(d.detail, LiveDetail):
             return d.detail
         if isinstance(known, LiveDetail):
             return known
         pred = self.live_predictor or next(sh.predictor for sh in self.shadows if sh.predictor is not None)
-        m = pred.act.shape[0] - 1
-        if counts is not None and self.state.model is not None:
-            try:
-                sig = self.state.model.signature(counts, unit=False)
-                m = int((pred.protos @ sig.astype(np.float32)).argmax())
-            except EldrError:
-                pass
-        return LiveDetail(m, int(tokens or 0))
+        entry = None
+        try:
+            entry = pred.source.entry(counts)
+        except EldrError:
+            pass
+        return LiveDetail(entry or pred.source.mean(), int(tokens or 0))
 
     def finish(self, rid: str) -> None:
         """Request ``rid`` ended (whatever its outcome): its shadow placements end with it."""
@@ -180,7 +175,7 @@ class ShadowSet:
             return
         lp = self.live_predictor
         if lp is not None and not self._live_is_predictor:
-            lp.on_finish(-1, rid)
+            lp.remove(rid)
         for sh in self.shadows:
             rec = sh.where.pop(rid, None)
             if rec is None:
@@ -188,8 +183,8 @@ class ShadowSet:
             w, _ = rec
             sh.loads[w] -= 1
             sh.router.on_finish(w, rid)
-            if sh.predictor is not None and sh.predictor is not sh.router.policy:
-                sh.predictor.on_finish(w, rid)
+            if sh.predictor is not None and sh.predictor is not sh.router.live_set:
+                sh.predictor.remove(rid)
 
     def add_steps(self, out: dict[str, Any], live_loads: list[int] | None, live_worker: int) -> None:
         """Each decoder's predicted next step under the live assignment (``live_step_ms``: the in-flight counts
@@ -203,15 +198,12 @@ class ShadowSet:
                 out[sh.name]["step_ms"] = _rounded(self.predicted_step_ms(sh.predictor, sh.loads))
                 out[sh.name]["live_step_ms"] = live_ms
 
-    def predicted_step_ms(self, pred: Any, loads: list[int]) -> list[float] | None:
+    def predicted_step_ms(self, pred: LiveSet | None, loads: list[int]) -> list[float] | None:
         """Each decoder's predicted next step (ms, or relative units without a cost model) for the live set
         ``pred`` follows and the in-flight counts ``loads``; 0 for an idle decoder."""
         if pred is None:
             return None
-        if pred._dirty:
-            pred._refresh()
-        B = np.asarray(loads, dtype=np.float64)  # the one step formula, as eldr-live's own prediction uses it
-        out: list[float] = (step_ms_from_terms(pred.terms, pred.active, B, pred.ctx) * (B > 0)).tolist()  # type: ignore[no-untyped-call]
+        out: list[float] = pred.step_ms(loads).tolist()
         return out
 
 

@@ -15,15 +15,13 @@ the simulator, ``eldr report`` and replay build it through ``make_router`` with 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.live import EldrLivePolicy
-from eldr_cli.routing.policies import Ranking
-
-A_MAX = 1.0 - 1e-6  # an expert active in every step: log(1 - a) stays finite (the live set subtracts it again)
+from eldr_cli.routing.live_set import A_MAX, FutureSource, PrefillPredictor
 
 
 def future_activations(decode_counts: np.ndarray, decode_steps: np.ndarray, rows: np.ndarray) -> dict[int, np.ndarray]:
@@ -37,71 +35,21 @@ def future_activations(decode_counts: np.ndarray, decode_steps: np.ndarray, rows
     return out
 
 
-class FutureDetail(NamedTuple):
-    """What the clairvoyant policy needs back at dispatch: the request's true log(1 - a) and context tokens."""
-
-    log_idle: np.ndarray
-    tokens: int
-
-
 class ClairvoyantPolicy(EldrLivePolicy):
-    """eldr-live's rule on each request's true future activations (its ``signature`` is that vector)."""
+    """eldr-live's rule on each request's true future activations: the same policy with a :class:`FutureSource`."""
 
     name = "clairvoyant"
-    needs_counts = False  # the signature is the request's own future, looked up by the request's key
+    needs_counts = False  # the request's entry is its own future, looked up by the request's key
 
     def __init__(self, n_workers: int, model=None, cost=None, future: dict[int, np.ndarray] | None = None,
                  **kw: Any):
         if future is None:
             raise EldrError("the clairvoyant router needs the served rows' decode activations "
                             "(routing.clairvoyant.future_activations builds them)")
-        super().__init__(n_workers, model=model, cost=cost, **kw)
-        self.future = future
-        self._live_logs: dict[Any, np.ndarray] = {}
-
-    def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
-        if self._dirty:
-            self._refresh()
-        c_new = int(tokens or 0)
-        if signature is None:  # a row the trace has no decode for: the mean request, as eldr-live would
-            a = self.act[-1]
-            log_idle = self.log_idle[-1]
-        else:
-            a = np.clip(np.asarray(signature, dtype=np.float32), 0.0, A_MAX)
-            log_idle = np.log1p(-a.astype(np.float64)).astype(np.float32)
-        return self._choose(loads, a, c_new, FutureDetail(log_idle, c_new))
-
-    def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
-        if not isinstance(detail, FutureDetail):
-            detail = FutureDetail(self.log_idle[-1], 0)
-        old = self.where.pop(key, None)
-        if old is not None:  # dispatched again (a retry elsewhere) without a finish: move it
-            self._remove(*old, key=key)
-        self.where[key] = (worker, -1, detail.tokens)
-        self._live_logs[key] = detail.log_idle
-        self._seq += 1
-        self.last_dispatch[worker] = self._seq
-        self._n_live[worker] += 1
-        self.tokens[worker] += detail.tokens
-        self._changed(worker, detail.log_idle, 1)
-
-    def on_finish(self, worker: int, key: Any) -> None:
-        rec = self.where.pop(key, None)
-        if rec is not None:
-            self._remove(*rec, key=key)
-
-    def _remove(self, worker: int, m: int, tok: int, key: Any = None) -> None:
-        log_idle = self._live_logs.pop(key, self.log_idle[-1])
-        self._n_live[worker] -= 1
-        self.tokens[worker] -= tok
-        self._changed(worker, log_idle, -1)
-
-    def _exact_log_q(self, d: int) -> np.ndarray:
-        self._recount[:] = 0.0
-        for key, (w, _, _) in self.where.items():
-            if w == d:
-                self._recount += self._live_logs[key]
-        return self._recount
+        if model is None:
+            raise EldrError("the clairvoyant router needs a routing artifact (--routing DIR)")
+        pred = PrefillPredictor(model)  # a row the trace has no decode for: the mean request, as eldr-live
+        super().__init__(n_workers, model=model, cost=cost, source=FutureSource(future, pred.mean(), pred.table), **kw)
 
     def export_state(self, worker: int) -> list[int]:
         raise EldrError("the clairvoyant router needs the future and cannot be served by replicas")

@@ -1,9 +1,10 @@
 """``eldr-live``: the cost-aware decode policy (issue 21; beyond the paper's locality band).
 
-Per decoder it keeps the live set of its in-flight requests, each as the decode-activation prototype its
-prefill signature predicts (:class:`eldr_cli.method.live.DecodeActivation`, fitted into the routing
-artifact), and their context tokens. For each candidate decoder d it predicts the next decode step with
-and without the new request through the cost model's step form (``CostModel.step_terms``)::
+Per decoder it keeps the live set of its in-flight requests (:class:`eldr_cli.routing.live_set.LiveSet`), each
+as the per-step decode activation its prefill predicts (:class:`eldr_cli.routing.live_set.PrefillPredictor`: the
+nearest prototype's mean, shrunk per layer toward the request's own prefill distribution where the fit found
+that better; :mod:`eldr_cli.method.live`), and their context tokens. For each candidate decoder d it predicts
+the next decode step with and without the new request through the cost model's step form (``CostModel.step_terms``)::
 
     q_d(l, e)  = prod over d's requests of (1 - a_m(l, e))        P(expert e of layer l idle in a step)
     A_d        = sum_{l,e} (1 - q_d(l, e))                        expected distinct active experts
@@ -22,7 +23,8 @@ in ELDR; the cap bounds how uneven batches may get (the tail). B_d are the loads
 + remote in the proxy).
 
 Replicas share the live set as integer counts per (decoder, prototype) plus context tokens
-(:meth:`EldrLivePolicy.export_state` / :meth:`EldrLivePolicy.merge_state`), which sum across replicas.
+(:meth:`EldrLivePolicy.export_state` / :meth:`EldrLivePolicy.merge_state`), which sum across replicas: another
+replica's request counts as its prototype's mean, a replica's own requests as their own prediction.
 
 The ranking it returns holds the predicted costs, their growth per request in flight that the loads left out
 (``d cost / d B = T1 - T + kt``) and the load cap (slack): the replicas' reservation redoes this rule on Redis's
@@ -40,6 +42,7 @@ import numpy as np
 
 from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
+from eldr_cli.routing.live_set import ActivationSource, LiveEntry, LiveSet, PrefillPredictor
 from eldr_cli.routing.model import RoutingModel
 from eldr_cli.routing.policies import Policy, Ranking
 
@@ -47,8 +50,6 @@ from eldr_cli.routing.policies import Policy, Ranking
 # active experts raise a layer's latency 4.7x; batch barely moves it), in units of one expert's read.
 # (a + 128 b) / (a + 16 b) = 4.7  ->  a = 14.27 b. A relative shape, not a time: decisions only compare.
 DEFAULT_STEP_TERMS_PER_LAYER = (14.27, 1.0, 0.01)  # (per layer, per active expert, per request per layer)
-LOG_Q_FLOOR = -60.0
-RECOUNT_EVERY = 4096  # changes of a decoder's live set between exact recounts of its log q
 COST_TIE = 0.03          # costs within 3% are ties ...
 LOW_LOAD_MEAN = 4.0      # ... while decoders run fewer than this many requests on average
 LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the least loaded ...
@@ -56,10 +57,14 @@ LOAD_CAP_FRACTION = 0.25  # ... or this share of the mean load, whichever is lar
 
 
 class LiveDetail(NamedTuple):
-    """What eldr-live needs back at dispatch (``Ranking.detail``): the request's prototype and context tokens."""
+    """What eldr-live needs back at dispatch (``Ranking.detail``): the request's live entry and context tokens."""
 
-    prototype: int
+    entry: LiveEntry
     tokens: int
+
+    @property
+    def prototype(self) -> int:
+        return self.entry.prototype
 
 
 def step_form(cost, n_layers: int) -> tuple[float, ...]:
@@ -74,74 +79,57 @@ def step_form(cost, n_layers: int) -> tuple[float, ...]:
     return tuple(terms)
 
 
+def live_set(n_workers: int, model: RoutingModel | None, cost=None,
+             source: ActivationSource | None = None) -> LiveSet:
+    """A live set over ``n_workers`` decoders predicting with the routing artifact's decode-activation model (or
+    ``source``) and the cost model's step form: eldr-live's own, or a shadow's predictor of an assignment."""
+    if model is None:
+        raise EldrError("the eldr-live policy needs a routing artifact (--routing DIR)")
+    src = source if source is not None else PrefillPredictor(model)
+    return LiveSet(n_workers, src, step_form(cost, model.shape[0]))
+
+
 class EldrLivePolicy(Policy):
     name = "eldr-live"
     needs_signature = True
-    unit_signature = False  # only the nearest prototype (argmax of dot products) is needed
+    unit_signature = False
 
-    def __init__(self, n_workers: int, model: RoutingModel | None = None, cost=None, **_: Any):
-        if model is None:
-            raise EldrError("the eldr-live policy needs a routing artifact (--routing DIR)")
-        if model.live is None:
-            raise EldrError("the routing artifact has no decode-activation model, which the eldr-live policy "
-                            "needs (it was fitted before eldr-live existed)",
-                            hint="refit it with `eldr fit` (or `eldr cluster`); the other policies still serve")
-        protos, act = model.live
-        L, E = model.shape
-        if act.shape[1:] != (L, E):
-            raise EldrError(f"the routing artifact's decode-activation model is {act.shape[1]}x{act.shape[2]}, "
-                            f"its signatures {L}x{E}", hint="refit it with `eldr fit`")
+    def __init__(self, n_workers: int, model: RoutingModel | None = None, cost=None,
+                 source: ActivationSource | None = None, **_: Any):
         self.n = n_workers
-        self.protos = np.ascontiguousarray(protos, dtype=np.float32)      # float32: half the matvec
-        self.act = np.ascontiguousarray(act.reshape(act.shape[0], -1), dtype=np.float32)  # [M + 1, L*E]
-        # log(1 - a), float32 like q: half the memory traffic per dispatch; the rounding a sum of float32
-        # updates accumulates is wiped by an exact recount every RECOUNT_EVERY changes of a decoder
-        self.log_idle = np.log1p(-self.act.astype(np.float64)).astype(np.float32)
-        self.terms = step_form(cost, L)
-        M1 = self.act.shape[0]
-        self.counts = np.zeros((n_workers, M1), dtype=np.int64)           # local live set
-        self.remote = np.zeros((n_workers, M1), dtype=np.int64)           # other replicas' (summed)
-        self.tokens = np.zeros(n_workers, dtype=np.int64)
-        self.remote_tokens = np.zeros(n_workers, dtype=np.int64)
-        self.log_q = np.zeros((n_workers, self.act.shape[1]), dtype=np.float32)
-        self._changes = [0] * n_workers
-        self.q = np.ones((n_workers, self.act.shape[1]), dtype=np.float32)
-        self._scratch = np.zeros(self.act.shape[1], dtype=np.float32)
-        self._recount = np.zeros(self.act.shape[1])
-        self.active = np.zeros(n_workers)                                   # A_d
-        self.ctx = np.zeros(n_workers)                                      # C_d (all replicas)
-        self._n_live = [0] * n_workers                                      # requests, all replicas
-        self._dirty: set[int] = set()  # decoders whose q is stale: refreshed once, at the next pick
-        self.where: dict[Any, tuple[int, int, int]] = {}
-        self.last_dispatch = [0] * n_workers  # ties go to the decoder that was sent a request longest ago
-        self._seq = 0
+        self.live = live_set(n_workers, model, cost, source)  # the public live-set API (routing.live_set)
+        self.terms = self.live.terms
+
+    def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
+        """The request's live entry from its prefill counts (what the router passes to :meth:`rank`)."""
+        return self.live.source.entry(counts, key)
 
     # -- the decision ---------------------------------------------------------------------------------
     def rank(self, loads, signature=None, domain=None, tokens=None) -> Ranking:
-        if self._dirty:
-            self._refresh()
-        m = self.act.shape[0] - 1 if signature is None else \
-            int((self.protos @ signature.astype(np.float32, copy=False)).argmax())
+        """``signature``: the request's :class:`LiveEntry` (what the router passes; None: the mean request; a bare
+        vector: what the source makes of it, see ``ActivationSource.of_vector``)."""
+        src = self.live.source
+        entry = signature if isinstance(signature, LiveEntry) else src.mean() if signature is None \
+            else src.of_vector(signature)
         c_new = int(tokens or 0)
-        return self._choose(loads, self.act[m], c_new, LiveDetail(m, c_new))
+        return self._choose(loads, entry.activation, c_new, LiveDetail(entry, c_new))
 
     def _choose(self, loads, a_new: np.ndarray, c_new: int, detail: Any) -> Ranking:
-        """The rule on the new request's per-step activation probabilities ``a_new`` [L*E] (its prototype's
-        here; its true future ones in :class:`eldr_cli.routing.clairvoyant.ClairvoyantPolicy`)."""
+        """The rule on the new request's per-step activation probabilities ``a_new`` [L*E]."""
+        q, active, C = self.live.view()
         ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
         B = np.array(ld, dtype=np.float64)
-        C = self.ctx
         # each decoder's next step without and with the request (its expected new experts and its context),
         # by the one step formula the simulator and the replay use
-        Tb = step_ms_from_terms(self.terms, self.active, B, C)
+        Tb = step_ms_from_terms(self.terms, active, B, C)
         T = Tb * (B > 0)  # an idle decoder runs no step
-        T1 = step_ms_from_terms(self.terms, self.active + self.q @ a_new, B + 1, C + c_new)
+        T1 = step_ms_from_terms(self.terms, active + q @ a_new, B + 1, C + c_new)
         cost = T1 + B * (T1 - T)
         lo = min(ld)
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         cap = lo + slack
         cl = cost.tolist()
-        seq = self.last_dispatch
+        seq = self.live.last_add
         cand = [k for k in range(len(ld)) if ld[k] <= cap]
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
@@ -157,90 +145,24 @@ class EldrLivePolicy(Policy):
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:
-        m, tok = (detail.prototype, detail.tokens) if isinstance(detail, LiveDetail) else (self.act.shape[0] - 1, 0)
-        old = self.where.pop(key, None)
-        if old is not None:  # dispatched again (a retry elsewhere) without a finish: move it
-            self._remove(*old)
-        self.where[key] = (worker, m, tok)
-        self._seq += 1
-        self.last_dispatch[worker] = self._seq
-        self.counts[worker, m] += 1
-        self._n_live[worker] += 1
-        self.tokens[worker] += tok
-        self._changed(worker, self.log_idle[m], 1)
+        if isinstance(detail, LiveDetail):
+            self.live.add(worker, key, detail.entry, detail.tokens)
+        else:
+            self.live.add(worker, key, None, 0)
 
     def on_finish(self, worker: int, key: Any) -> None:
-        rec = self.where.pop(key, None)
-        if rec is not None:
-            self._remove(*rec)
-
-    def _remove(self, worker: int, m: int, tok: int) -> None:
-        self.counts[worker, m] -= 1
-        self._n_live[worker] -= 1
-        self.tokens[worker] -= tok
-        self._changed(worker, self.log_idle[m], -1)
-
-    def _changed(self, d: int, log_delta: np.ndarray, sign: int) -> None:
-        """Decoder d's log q changed by ``sign * log_delta`` (in place); q and A follow at the next pick."""
-        if self._n_live[d]:
-            row = self.log_q[d]
-            (np.add if sign > 0 else np.subtract)(row, log_delta, out=row)
-        else:
-            self.log_q[d] = 0.0  # exactly empty again, whatever rounding accumulated
-        self._changes[d] += 1
-        self._dirty.add(d)
-
-    def _refresh(self) -> None:
-        """q_d and A_d of the decoders whose live set changed since the last pick (lazily: a dispatch and a
-        finish on one decoder between two decisions cost one refresh)."""
-        for d in self._dirty:
-            self.ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
-            if not self._n_live[d]:
-                self.q[d] = 1.0
-                self.active[d] = 0.0
-            else:
-                if self._changes[d] >= RECOUNT_EVERY:  # exact again, from the integer counts
-                    self._changes[d] = 0
-                    self.log_q[d] = self._exact_log_q(d)
-                # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
-                np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
-                np.exp(self._scratch, out=self.q[d])
-                self.active[d] = self.q.shape[1] - float(self.q[d].sum())
-        self._dirty.clear()
+        self.live.remove(key)
 
     def idle_probabilities(self) -> np.ndarray:
         """q [K, L*E], up to date (tests, inspection)."""
-        if self._dirty:
-            self._refresh()
-        return self.q
+        return self.live.view()[0]
 
     def is_empty(self) -> bool:
-        """No request anywhere in the live set (reads only: safe to call from another thread)."""
-        return not (self.where or self.counts.any() or self.remote.any() or self.tokens.any()
-                    or self.remote_tokens.any() or self.log_q.any())
+        return self.live.is_empty()
 
     # -- replicas: integer vectors that sum ------------------------------------------------------------
     def export_state(self, worker: int) -> list[int]:
-        """This replica's live set on ``worker``: requests per prototype, then context tokens."""
-        return [*self.counts[worker].tolist(), int(self.tokens[worker])]
+        return self.live.export(worker)
 
     def merge_state(self, worker: int, vector: list[int] | None) -> None:
-        """The other replicas' summed :meth:`export_state` of ``worker`` (None or [] when there are none)."""
-        M1 = self.counts.shape[1]
-        new = np.zeros(M1, dtype=np.int64) if not vector or len(vector) != M1 + 1 else np.asarray(vector[:M1])
-        delta = new - self.remote[worker]
-        nz = np.flatnonzero(delta)
-        if nz.size:
-            self.remote[worker] = new
-            self._n_live[worker] += int(delta[nz].sum())
-            self._changed(worker, (delta[nz] @ self.log_idle[nz]).astype(np.float32), 1)
-        tok = int(vector[M1]) if vector and len(vector) == M1 + 1 else 0
-        if tok != self.remote_tokens[worker]:
-            self.remote_tokens[worker] = tok
-            self._dirty.add(worker)
-
-    def _exact_log_q(self, d: int) -> np.ndarray:
-        """Decoder d's log q recounted from the integer counts of its live set (all replicas)."""
-        n = (self.counts[d] + self.remote[d]).astype(np.float64)
-        np.dot(n, self.log_idle, out=self._recount)
-        return self._recount
+        self.live.merge(worker, vector)

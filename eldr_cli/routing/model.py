@@ -26,9 +26,12 @@ class RoutingModel:
 
     def __init__(self, transform: str, weights: np.ndarray, mask: np.ndarray, centroids: np.ndarray,
                  tau: float = 0.1, domain_share: dict[str, float] | None = None,
-                 live: tuple[np.ndarray, np.ndarray] | None = None):
+                 live: tuple[np.ndarray, np.ndarray] | None = None,
+                 live_shrinkage: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 1):
         """``live``: (prototypes [M, N* x E], decode activation [M + 1, L, E]) of the eldr-live policy
-        (:class:`eldr_cli.method.live.DecodeActivation`); None for artifacts fitted before it."""
+        (:class:`eldr_cli.method.live.DecodeActivation`); None for artifacts fitted before it.
+        ``live_shrinkage``: its per-layer (kappa [L], weight [L]) toward the request's own prefill distribution
+        (None: the prototype's mean alone, as in artifacts fitted before issue 35); ``top_k``: the model's."""
         from eldr_cli.method.signature import SERVABLE_TRANSFORMS
 
         if transform not in SERVABLE_TRANSFORMS:
@@ -42,6 +45,9 @@ class RoutingModel:
         self.domain_share = dict(domain_share or {})
         self.live = None if live is None else (np.ascontiguousarray(live[0], dtype=np.float64),
                                                np.ascontiguousarray(live[1], dtype=np.float32))
+        self.live_shrinkage = None if live_shrinkage is None else (np.asarray(live_shrinkage[0], dtype=np.float64),
+                                                                   np.asarray(live_shrinkage[1], dtype=np.float64))
+        self.top_k = int(top_k)
 
     @property
     def n_clusters(self) -> int:
@@ -57,8 +63,11 @@ class RoutingModel:
         art = load_routing_artifact(path)
         p = art.params
         live = (art.array("live_prototypes"), art.array("live_activation")) if p.get("live_prototypes") else None
+        shrink = (art.array("live_kappa"), art.array("live_weight")) \
+            if live is not None and p.get("live_predictor") not in (None, "prototype") else None
         return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
-                   tau=p["tau"], domain_share=p.get("domain_share"), live=live)
+                   tau=p["tau"], domain_share=p.get("domain_share"), live=live, live_shrinkage=shrink,
+                   top_k=int(p.get("top_k") or 1))
 
     def signature(self, counts: np.ndarray, unit: bool = True) -> np.ndarray:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own

@@ -47,7 +47,7 @@ class Decision:
         return None if self.ranking is None else self.ranking.detail
 
 
-SignatureFn = Callable[[Any, Any], "np.ndarray | None"]
+SignatureFn = Callable[[Any, Any], Any]  # (counts, key) -> the signature (or the policy's request entry) or None
 
 
 class Offer(NamedTuple):
@@ -103,6 +103,12 @@ class DecodeRouter:
     def policy(self) -> Policy:
         """The rule inside (read-only use: tests)."""
         return self._policy
+
+    @property
+    def live_set(self) -> Any:
+        """The policy's live set (:class:`eldr_cli.routing.live_set.LiveSet`: eldr-live and its clairvoyant twin;
+        None for the others): what shadows read an assignment's predicted steps from."""
+        return getattr(self._policy, "live", None)
 
     def export_state(self, worker: int) -> list[int] | None:
         """This replica's share of a stateful policy's state on ``worker`` (None: the policy shares none)."""
@@ -174,7 +180,7 @@ class DecodeRouter:
         return (sig, "ok") if sig is not None else (None, "missing")
 
 
-def _cached(fn: Callable[[Any], np.ndarray]) -> SignatureFn:
+def _cached(fn: Callable[..., Any]) -> SignatureFn:
     cache: dict[Any, np.ndarray] = {}
 
     def signature_of(counts, key):
@@ -217,8 +223,8 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
         if future is None:
             raise EldrError("the clairvoyant router needs the served rows' true decode activations "
                             "(fit_oracle with decode_steps builds them)")
-        return DecodeRouter(ClairvoyantPolicy(n_workers, model=model, cost=cost, future=future), n_workers, model,
-                            lambda counts, key: future.get(key))
+        cp = ClairvoyantPolicy(n_workers, model=model, cost=cost, future=future)
+        return DecodeRouter(cp, n_workers, model, cp.request)
     if domain_share is None and model is not None:
         domain_share = model.domain_share
     build = REGISTRY[name].build
@@ -226,6 +232,9 @@ def make_router(name: str, n_workers: int, *, model: RoutingModel | None = None,
     policy = build(n_workers, model=model, tau=tau, seed=seed, domain_share=domain_share,
                                   cost=cost)
     sig = None
-    if policy.needs_signature and model is not None:
+    request = getattr(policy, "request", None)  # a policy that predicts from the counts itself (eldr-live)
+    if request is not None:
+        sig = _cached(request)
+    elif policy.needs_signature and model is not None:
         sig = _cached(model.signature if policy.unit_signature else functools.partial(model.signature, unit=False))
     return DecodeRouter(policy, n_workers, model, sig)

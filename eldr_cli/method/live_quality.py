@@ -1,0 +1,109 @@
+"""How well eldr-live's decode-activation predictors predict, measured where they are fitted (issue 35).
+
+The calibration rows with decode steps are split once (seeded): a quarter is held back. Every candidate is
+built from the other rows only (prototype means without the held-back rows; shrinkage tuned on the rest by
+leave-one-out) and scored on the held-back rows against their true per-step activation y_r(l, e):
+
+- ``brier``: mean over (request, layer, expert) of (a - y)^2;
+- ``log_loss``: the per-step log-loss -[y log a + (1 - y) log(1 - a)], a read as at least 1e-4;
+- ``union_err_pct_b{8,32,64}``: mean |U(a) - U(y)| / U(y) over 200 random batches of b held-back requests,
+  where U is the expected number of distinct experts a step of the batch activates,
+  sum_{l,e} (1 - prod_r (1 - a_r(l, e))): what eldr-live's cost rests on. The clairvoyant (a = y) scores 0.
+
+Candidates: ``prototype`` (the nearest prototype's mean: eldr-live before issue 35), ``shrinkage-global`` (one
+kappa, w), ``shrinkage`` (per layer), and two ablations that are not served: ``own`` (the request's own prefill
+distribution alone, kappa 0, w 1) and ``knn-8`` (the mean activation of the 8 nearest held-in requests by
+signature: a matrix product over the calibration set per decision, too slow for the decision budget).
+:func:`choose` keeps the simplest servable candidate within ``TOLERANCE`` of the best one's Brier score.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from eldr_cli.method.live import (
+    LOSS_FLOOR,
+    MAX_ACTIVATION,
+    loo_prototype_means,
+    prefill_frequency,
+    shrink,
+    tune_shrinkage,
+)
+
+SERVABLE = ("prototype", "shrinkage-global", "shrinkage")  # in order of simplicity
+HOLD_BACK = 0.25
+BATCHES = (8, 32, 64)
+N_BATCHES = 200
+TOLERANCE = 0.005  # a more complex predictor must beat the simpler one by more than 0.5% of its Brier score
+
+
+def _union(a: np.ndarray, batches: np.ndarray) -> np.ndarray:
+    """Expected distinct experts per step of each batch [n_batches] (a [R, L*E])."""
+    log_idle = np.log1p(-np.clip(a, 0.0, 1.0 - 1e-7).astype(np.float64))
+    return (1.0 - np.exp(log_idle[batches].sum(axis=1))).sum(axis=1)
+
+
+def scores(a: np.ndarray, y: np.ndarray, batches: dict[int, np.ndarray]) -> dict[str, float]:
+    """The metrics of predictions ``a`` against the truth ``y`` (both [R, L, E])."""
+    a2, y2 = a.reshape(len(a), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
+    p = np.clip(a2, LOSS_FLOOR, MAX_ACTIVATION)
+    out = {"brier": float(((a2 - y2) ** 2).mean()),
+           "log_loss": float(-(y2 * np.log(p) + (1 - y2) * np.log1p(-p)).mean())}
+    for b, idx in batches.items():
+        ut = _union(y2, idx)
+        out[f"union_err_pct_b{b}"] = float(100 * np.mean(np.abs(_union(a2, idx) - ut) / np.maximum(ut, 1e-9)))
+    return out
+
+
+def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
+    """Each candidate's predictions for the held-back rows, built from the other rows only."""
+    rest = ~held
+    sums = np.zeros((n_protos, *y.shape[1:]), dtype=np.float64)
+    np.add.at(sums, labels[rest], y[rest])
+    n = np.bincount(labels[rest], minlength=n_protos)
+    mean = y[rest].mean(axis=0)
+    proto_means = np.where((n > 0)[:, None, None], sums / np.maximum(n, 1)[:, None, None], mean)
+    proto = proto_means[labels[held]].astype(np.float32)
+    loo = loo_prototype_means(y[rest], labels[rest], n_protos)
+    out = {"prototype": proto}
+    for name, per_layer in (("shrinkage-global", False), ("shrinkage", True)):
+        sh = tune_shrinkage(y[rest], f[rest], tok[rest], loo, per_layer=per_layer)
+        out[name] = shrink(f[held], tok[held], proto, sh.kappa, sh.weight)
+    L = y.shape[1]
+    out["own"] = shrink(f[held], tok[held], proto, np.zeros(L), np.ones(L))
+    Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
+    near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :8]
+    out["knn-8"] = y[rest][near].mean(axis=1).astype(np.float32)
+    return out
+
+
+def predictor_quality(S: np.ndarray, act: np.ndarray, prefill_counts: np.ndarray, top_k: int,
+                      labels: np.ndarray, n_protos: int, seed: int = 0) -> dict[str, dict[str, float]] | None:
+    """{candidate: metrics} on the held-back split (None when there are too few rows to hold any back).
+
+    ``S`` [R, d] signatures, ``act`` [R, L, E] true per-step activations, ``prefill_counts`` [R, L, E] and the
+    rows' prototype ``labels`` [R], all of the calibration rows with decode steps."""
+    R = len(act)
+    n_held = int(round(HOLD_BACK * R))
+    if n_held < 2 or R - n_held < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    held = np.zeros(R, dtype=bool)
+    held[rng.choice(R, size=n_held, replace=False)] = True
+    y = np.clip(act, 0.0, MAX_ACTIVATION).astype(np.float32)
+    f, tok = prefill_frequency(prefill_counts, top_k)
+    batches = {b: rng.integers(0, n_held, size=(N_BATCHES, b)) for b in BATCHES}
+    yh = y[held]
+    out = {name: scores(a, yh, batches) for name, a in _candidates(S, y, f, tok, labels, n_protos, held).items()}
+    out["clairvoyant"] = scores(yh, yh, batches)
+    return out
+
+
+def choose(quality: dict[str, dict[str, float]] | None) -> str:
+    """The simplest servable candidate whose held-back Brier score is within TOLERANCE of the best servable one
+    (``prototype`` without a measurement)."""
+    if not quality:
+        return "prototype"
+    best = min(quality[c]["brier"] for c in SERVABLE)
+    return next(c for c in SERVABLE if quality[c]["brier"] <= best * (1 + TOLERANCE))
+
