@@ -1,0 +1,90 @@
+"""eldr-live's per-request decode-activation predictor (issue 35): fitted, chosen and measured inside fit, and
+what it changes in the decision."""
+
+import numpy as np
+import pytest
+
+from eldr_cli.method.live import DecodeActivation, prefill_frequency, shrink
+from eldr_cli.method.live_quality import choose, predictor_quality
+from eldr_cli.routing import RoutingModel, make_router
+from eldr_cli.routing.live import LiveDetail
+
+
+def _trace(R=240, L=3, E=16, k=2, follow=0.8, seed=0):
+    """Requests from 4 topics; each request's decode follows its OWN prefill distribution (share ``follow``) more
+    than its topic's mean: the prompt says more about the answer than the topic does."""
+    rng = np.random.default_rng(seed)
+    topics = rng.dirichlet(np.full(E, 0.3), size=(4, L))
+    own = np.stack([rng.dirichlet(topics[r % 4, l] * 20 + 0.05) for r in range(R) for l in range(L)])
+    own = own.reshape(R, L, E)
+    tokens = rng.integers(20, 200, size=R)
+    prefill = np.stack([np.stack([rng.multinomial(tokens[r] * k, own[r, l]) for l in range(L)]) for r in range(R)])
+    steps = np.full(R, 64)
+    p_dec = follow * own + (1 - follow) * topics[np.arange(R) % 4]
+    decode = np.stack([np.stack([rng.binomial(steps[r], np.clip(p_dec[r, l] * k, 0, 1)) for l in range(L)])
+                       for r in range(R)])
+    sig = prefill.reshape(R, -1).astype(np.float64)
+    sig /= np.linalg.norm(sig, axis=1, keepdims=True)
+    return sig, decode, steps, prefill, k
+
+
+def test_the_request_own_prefill_predicts_better_than_its_prototype_on_the_held_back_split():
+    sig, decode, steps, prefill, k = _trace()
+    est = DecodeActivation(n_prototypes=8, seed=0).fit(sig, decode, steps, prefill, k)
+    q = est.quality_
+    assert q is not None and est.predictor_ in ("shrinkage", "shrinkage-global")
+    assert q["shrinkage"]["brier"] < 0.9 * q["prototype"]["brier"]
+    assert q["shrinkage"]["log_loss"] < q["prototype"]["log_loss"]
+    assert q["clairvoyant"]["brier"] == 0 and q["clairvoyant"]["union_err_pct_b8"] == 0
+    assert (est.shrinkage_.weight > 0).all() and np.isfinite(est.shrinkage_.kappa).all()
+
+
+def test_a_predictor_that_ignores_the_request_scores_worse_than_the_fitted_one():
+    """The global mean (the same a for every request) is what a predictor that ignores the request returns: it must
+    lose to the prototype and to the shrinkage on the held-back split, and the served predictions must differ by
+    request."""
+    sig, decode, steps, prefill, k = _trace(seed=1)
+    est = DecodeActivation(n_prototypes=8, seed=0).fit(sig, decode, steps, prefill, k)
+    y = np.clip(decode / steps[:, None, None], 0, 0.999)
+    mean = np.broadcast_to(y.mean(axis=0), y.shape)
+    brier_mean = float(((mean - y) ** 2).mean())
+    assert est.quality_ is not None and est.quality_["shrinkage"]["brier"] < 0.8 * brier_mean
+    f, tok = prefill_frequency(prefill[:2], k)
+    a = shrink(f, tok, est.activation_[est.predict(sig[0])][None].repeat(2, 0), est.shrinkage_.kappa,
+               est.shrinkage_.weight)
+    assert np.abs(a[0] - a[1]).max() > 0.05
+
+
+def test_choose_keeps_the_simplest_within_tolerance():
+    q = {"prototype": {"brier": 1.0}, "shrinkage-global": {"brier": 0.999}, "shrinkage": {"brier": 0.5}}
+    assert choose(q) == "shrinkage"
+    q["shrinkage"]["brier"] = 0.998  # within 0.5% of the simpler global one: the global one is kept
+    assert choose(q) == "prototype"
+    assert choose(None) == "prototype"
+
+
+def test_no_held_back_rows_no_measurement():
+    sig, decode, steps, prefill, k = _trace(R=6)
+    assert predictor_quality(sig, decode / 64, prefill, k, np.zeros(6, dtype=int), 1) is not None
+    assert predictor_quality(sig[:3], decode[:3] / 64, prefill[:3], k, np.zeros(3, dtype=int), 1) is None
+
+
+def _model(weight: float) -> RoutingModel:
+    protos = np.array([[1.0, 0, 0, 0], [0, 0, 1.0, 0]])
+    act = np.array([[[0.5, 0.5, 0, 0]], [[0, 0, 0.5, 0.5]], [[0.25, 0.25, 0.25, 0.25]]], dtype=np.float32)
+    return RoutingModel("count", np.ones((1, 4)), np.arange(1), np.eye(2, 4), live=(protos, act),
+                        live_shrinkage=(np.array([0.0]), np.array([weight])), top_k=1)
+
+
+@pytest.mark.parametrize("weight, expected", [(1.0, 1), (0.0, 0)])
+def test_the_shrinkage_weight_changes_the_decision(weight, expected):
+    """Decoder 0 runs two requests of prototype 0 (experts 0, 1), decoder 1 two of prototype 1 (experts 2, 3). The
+    new request's prompt is nearest prototype 0 (3 tokens on expert 0) but most of it (5 tokens) picked expert 3:
+    by its own distribution it adds fewer experts to decoder 1; by its prototype's mean, to decoder 0."""
+    router = make_router("eldr-live", 2, model=_model(weight))
+    pol = router.policy
+    for key, (w, m) in enumerate([(0, 0), (0, 0), (1, 1), (1, 1)]):
+        pol.on_dispatch(w, key, LiveDetail(pol.live.source.entries[m], 0))
+    d = router.decide(np.array([[3, 0, 0, 5]]), [2, 2])
+    assert d.worker == expected
+    assert d.detail.prototype == 0
