@@ -153,6 +153,26 @@ def _print_routing(path: Path) -> None:
     console.print(f"[green]{kind} K-means[/] K={a.params['n_clusters']} on {m['n_signatures']} signatures: sizes "
                   f"{min(m['cluster_sizes'])}..{max(m['cluster_sizes'])} (cap {m['capacity']}), mean cosine "
                   f"distance {m['mean_cosine_distance']:.4f}, {m['n_iter']} iterations, {m['fit_s']:.2f} s -> {path}")
+    _print_predictor(a.params.get("live_predictor"), m.get("live_predictor_quality"))
+
+
+def _print_predictor(chosen: str | None, quality: dict | None) -> None:
+    """eldr-live's decode-activation predictors on the held-back split (issue 35), the served one starred."""
+    from eldr_cli.console import console, table
+
+    if chosen is None:
+        console.print("eldr-live: no decode steps in the calibration rows, no decode-activation model")
+        return
+    if not quality:
+        console.print(f"eldr-live predictor: {chosen} (too few calibration rows to hold any back)")
+        return
+    t = table("predictor", "Brier", "log-loss", "union err b8", "b32", "b64",
+              title="eldr-live decode-activation predictor, held-back 25% of the calibration rows")
+    order = ("prototype", "shrinkage-global", "shrinkage", "own", "knn-8", "clairvoyant")
+    for name, q in sorted(quality.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99):
+        t.add_row(name + (" *" if name == chosen else ""), f"{q['brier']:.5f}", f"{q['log_loss']:.4f}",
+                  *(f"{q[f'union_err_pct_b{b}']:.1f}%" for b in (8, 32, 64)))
+    console.print(t)
 
 
 def register(app: typer.Typer) -> None:
