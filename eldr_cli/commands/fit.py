@@ -141,6 +141,11 @@ def _print_layers(path: Path) -> None:
     console.print(t)
     console.print(f"layers kept N* = {m['n_layers_kept']} of {m['num_layers']}: rho {m['rho_all_layers']:.4f} -> "
                   f"{m['rho_peak']:.4f}; figures in {path}")
+    wr = m.get("layer_weight_rho") or {}
+    if wr:
+        moved = [f"{i}:x{v:g}" for i, v in enumerate(m.get("layer_weights") or []) if v != 1]
+        console.print(f"learned layer weights ({', '.join(moved) or 'none moved'}): rho on the held-out half of "
+                      f"the pairs {wr['rho_plain_check_half']:.4f} -> {wr['rho_learned_check_half']:.4f}")
 
 
 def _print_routing(path: Path) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import InvalidDataError
+from eldr_cli.method.layer_weights import learn_layer_weights
 from eldr_cli.method.signature import (
     SERVABLE_TRANSFORMS,
     TRANSFORMS,
@@ -31,16 +32,19 @@ class LayerSelector:
     fit(prefill_counts [R,L,E], decode_counts [R,L,E], decode_steps [R], idf [L,E],
         gates={"gate-prob": [R,L,E], "gate-logit": [R,L,E]}) -> self with
     ``transform_``, ``rho_by_transform_`` {name: rho}, ``order_`` int [L], ``cumulative_rho_`` [L],
-    ``n_layers_`` (N*), ``mask_`` int [N*] (sorted kept layers), ``weights_`` [L, E].
+    ``n_layers_`` (N*), ``mask_`` int [N*] (sorted kept layers), ``weights_`` [L, E] (the transform's per-cell
+    weights times ``layer_weights_`` [L], learned on rho unless ``learn_weights=False``; ``weight_rho_``: rho
+    before and after on the two halves of the pairs).
 
     With ``transform="auto"`` the best servable transform (computable from handed-off counts) wins;
     gate transforms are scored for the report (Fig. 7) but cannot be served.
     """
 
-    def __init__(self, transform: str = "auto", n_pairs: int = 20000, seed: int = 0):
+    def __init__(self, transform: str = "auto", n_pairs: int = 20000, seed: int = 0, learn_weights: bool = True):
         self.transform = transform
         self.n_pairs = n_pairs
         self.seed = seed
+        self.learn_weights = learn_weights
 
     def fit(self, prefill_counts, decode_counts, decode_steps, idf, gates: dict | None = None) -> "LayerSelector":
         validate_parameter("transform", self.transform)
@@ -57,7 +61,8 @@ class LayerSelector:
         # §4.2.1 decode pattern p = counts / steps; pair_cosine_distance_fast normalizes it
         steps = np.maximum(np.asarray(decode_steps)[idx], 1).astype(np.float32)
         pattern = np.asarray(decode_counts)[idx].astype(np.float32) / steps[:, None, None]
-        t = _rank(pair_cosine_distance_fast(pattern, self.pairs_))
+        pattern_distance = pair_cosine_distance_fast(pattern, self.pairs_)
+        t = _rank(pattern_distance)
         t -= t.mean()
         self._target = t
 
@@ -79,10 +84,16 @@ class LayerSelector:
         else:
             self.transform_ = self.transform
         x = apply_transform(srcs[self.transform_], self.transform_, idf)
-        self.order_, self.cumulative_rho_ = self._greedy(PairLayerCache(x, self.pairs_), t)
+        cache = PairLayerCache(x, self.pairs_)
+        self.order_, self.cumulative_rho_ = self._greedy(cache, t)
         self.n_layers_ = int(np.argmax(self.cumulative_rho_)) + 1
         self.mask_ = np.sort(self.order_[: self.n_layers_]).astype(np.int32)
         self.weights_ = np.asarray(idf, dtype=np.float64) if self.transform_ == "count-idf" else np.ones((L, E))
+        self.layer_weights_, self.weight_rho_ = np.ones(L), {}
+        if self.learn_weights:  # issue 35: per-layer weights learned on rho (method.layer_weights)
+            v, self.weight_rho_ = learn_layer_weights(cache, pattern_distance, self.mask_)
+            self.layer_weights_ = np.where(v > 0, v, 1.0)
+            self.weights_ = self.weights_ * self.layer_weights_[:, None]
         self.rho_peak_ = float(self.cumulative_rho_[self.n_layers_ - 1])
         self.rho_all_layers_ = float(self.cumulative_rho_[-1])
         return self

@@ -43,8 +43,13 @@ def signatures(counts: np.ndarray, transform: str, weights: np.ndarray | None, m
                unit: bool = True) -> np.ndarray:
     """Eq. 2 for a batch: counts [R, L, E] -> unit signatures [R, |mask| * E]. ``unit=False`` stops before
     the normalization (the same directions, for a caller that only ranks dot products with one signature)."""
-    x = apply_transform(np.asarray(counts)[:, mask, :], transform,
-                        None if weights is None else np.asarray(weights)[mask])
+    c = np.asarray(counts)[:, mask, :]
+    if weights is None:
+        x = apply_transform(c, transform)
+    elif transform == "count-idf":
+        x = apply_transform(c, transform, np.asarray(weights)[mask])
+    else:  # per-cell weights on any transform (ones, or learned per-layer weights: method.layer_weights)
+        x = apply_transform(c, transform) * np.asarray(weights, dtype=np.float64)[mask]
     x = x.reshape(x.shape[0], -1)
     return l2_normalize(x) if unit else x
 

@@ -82,6 +82,8 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
         w.metrics.update({"n_layers_kept": sel.n_layers_, "num_layers": trace.num_layers,
                           "rho_by_transform": sel.rho_by_transform_, "rho_peak": sel.rho_peak_,
                           "rho_all_layers": sel.rho_all_layers_, "n_requests": sel.n_requests_,
+                          "layer_weights": [round(float(v), 4) for v in sel.layer_weights_],
+                          "layer_weight_rho": sel.weight_rho_,
                           "fit_s": round(fit_s, 4)})
         if figures:
             t_fig = time.perf_counter()
