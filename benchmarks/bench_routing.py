@@ -39,7 +39,11 @@ def build(rng):
     protos = rng.random((M, d))
     protos /= np.linalg.norm(protos, axis=1, keepdims=True)
     act = np.clip(rng.dirichlet(np.full(E, 0.3), size=(M + 1, L)) * 8, 0, 0.999).astype(np.float32)
-    return RoutingModel("count-idf", rng.random((L, E)) + 0.1, mask, cent, tau=0.1, live=(protos, act))
+    # eldr-live's per-request predictor (issue 35): the prototype's mean shrunk toward the request's own prefill
+    # distribution on every layer (the fit keeps kappa = inf where the prototype alone predicts better)
+    shrink = (np.full(L, 32.0), np.full(L, 0.5))
+    return RoutingModel("count-idf", rng.random((L, E)) + 0.1, mask, cent, tau=0.1, live=(protos, act),
+                        live_shrinkage=shrink, top_k=8)
 
 
 def percentiles(ns: list[int]) -> dict:

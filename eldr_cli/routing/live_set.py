@@ -21,7 +21,7 @@ import numpy as np
 
 from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
-from eldr_cli.method.live import prefill_frequency, shrink
+from eldr_cli.method.live import MAX_ACTIVATION
 from eldr_cli.routing.model import RoutingModel
 
 LOG_Q_FLOOR = -60.0
@@ -74,6 +74,12 @@ class PrefillPredictor:
         self.entries = [entry_of(a, m) for m, a in enumerate(self.act)]
         self.table = np.stack([e.log_idle for e in self.entries])
         self.shrinkage = model.live_shrinkage
+        if self.shrinkage is not None:  # lam = w T / (T + kappa) per layer, in float32; kappa inf: w 0
+            kappa, w = self.shrinkage
+            inf = np.isinf(kappa)
+            self._w = np.where(inf, 0.0, w).astype(np.float32)
+            self._kappa = np.where(inf, 1.0, kappa).astype(np.float32)
+            self._inv_k = np.float32(1.0 / max(model.top_k, 1))
 
     def mean(self) -> LiveEntry:
         return self.entries[-1]
@@ -92,8 +98,15 @@ class PrefillPredictor:
         m = int((self.protos @ sig.astype(np.float32, copy=False)).argmax())
         if self.shrinkage is None:
             return self.entries[m]
-        f, tok = prefill_frequency(counts, self.model.top_k)
-        return entry_of(shrink(f, tok, self.act[m], *self.shrinkage), m)
+        # method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c
+        c = np.asarray(counts, dtype=np.float32)
+        tok = c.sum(axis=1) * self._inv_k
+        lam = self._w * tok / np.maximum(tok + self._kappa, np.float32(1e-9))
+        a = self.act[m] * (1 - lam)[:, None]
+        a += c * (lam / np.maximum(tok, np.float32(1e-9)))[:, None]
+        np.minimum(a, np.float32(MAX_ACTIVATION), out=a)
+        a = a.reshape(-1)
+        return LiveEntry(a, np.log1p(-a), m)
 
 
 class FutureSource:
