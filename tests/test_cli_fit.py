@@ -51,6 +51,26 @@ def test_fit_command_writes_all_sub_artifacts(trace_dir, tmp_path):
     assert Artifact(tmp_path / "fit").kind == "fit"
 
 
+def test_fit_states_eldr_live_predictors_on_the_held_back_split(trace_dir, tmp_path, capsys):
+    """Issue 35: the routing manifest and fit's output give every candidate's held-back error beside the served one
+    and the clairvoyant's zero; the served one is a servable candidate and its arrays are in the artifact."""
+    assert run(["fit", "--trace", str(trace_dir), "--decoders", "3", "--out", str(tmp_path / "fit"),
+                "--pairs", "2000", "--no-figures"]) == 0
+    out = capsys.readouterr().out
+    art = Artifact(tmp_path / "fit" / "routing")
+    q = art.metrics["live_predictor_quality"]
+    assert set(q) == {"prototype", "shrinkage-global", "shrinkage", "own", "knn-8", "clairvoyant"}
+    assert q["clairvoyant"]["brier"] == 0 and q["clairvoyant"]["union_err_pct_b64"] == 0
+    assert all(q[c]["brier"] > 0 for c in q if c != "clairvoyant")
+    chosen = art.params["live_predictor"]
+    assert chosen in ("prototype", "shrinkage-global", "shrinkage")
+    assert q[chosen]["brier"] <= q["prototype"]["brier"]
+    assert art.array("live_kappa").shape == art.array("live_weight").shape == (8,)
+    assert "eldr-live decode-activation predictor" in out and f"{chosen} *" in out
+    lay = Artifact(tmp_path / "fit" / "layers").metrics
+    assert lay["layer_weight_rho"]["rho_learned_check_half"] >= lay["layer_weight_rho"]["rho_plain_check_half"]
+
+
 def _expect_error(argv, capsys, *needles, out=None):
     rc = run(argv)
     err = capsys.readouterr().err
