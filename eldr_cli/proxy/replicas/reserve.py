@@ -4,9 +4,11 @@ Replicas that read the same stale loads pick the same "least loaded" decoder: wi
 one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
 (``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
 round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
-replicas and to reserve it (a policy with a slack: among the candidates whose slots are within the slack
-of the least, the first in the policy's order, or, with costs (eldr-live), the least predicted cost
-corrected by its growth for each slot the decision's loads did not see); the slot is released when
+replicas and to reserve it by the one re-ranking rule eldr-live decides with
+(:func:`eldr_cli.routing.policies.rerank`, the candidates in its tie order: among those whose slots are
+within the slack of the least, the least predicted cost corrected by its growth for each slot the decision's
+loads did not see, ties to the fewest slots, then the first in order; a policy without costs: the first in
+order within the slack; a test checks the script against the function); the slot is released when
 the decode leg ends. If Redis has not answered within the deadline (``--state-reserve-ms``, default
 50), the local decision stands, and the late answer's slot is moved to the worker actually used (so the
 counts in Redis stay complete).
@@ -46,7 +48,8 @@ TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's 
 MAX_IN_FLIGHT = 1024  # a replica's reserved slots on one worker (its connection cap): more is forged
 RESULTS = ("ok", "timeout", "error", "skipped", "departed")  # departed: the answer named a worker that left
 
-_SELECT = """
+# the one re-ranking rule in Redis: checked against eldr_cli.routing.policies.rerank (tests/test_rerank_rule.py)
+SELECT = """
 local slack = tonumber(ARGV[2]) or 0
 local nrep, ncand, maxv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local r0, c0 = 6, 6 + nrep
@@ -75,24 +78,22 @@ for j = 1, ncand do
   if least == nil or n < least then least = n end
 end
 local e0 = o0 + ncand
+-- the one re-ranking rule (eldr_cli.routing.policies.rerank, checked against this script): among the candidates
+-- within the slack of the least, the least cost + (exact - seen) * growth, costs within tie of it are ties, then
+-- the fewest slots, then the first in order (a rule without costs: cost = position in order, tie 0)
+local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
+for j = 1, ncand do
+  if load[j] <= least + slack then
+    local c, g, s = tonumber(ARGV[e0 + j]), tonumber(ARGV[e0 + ncand + j]), tonumber(ARGV[e0 + 2 * ncand + j])
+    adj[j] = c + (load[j] - s) * g
+    if lo == nil or adj[j] < lo then lo = adj[j] end
+  end
+end
+local lim
+if lo >= 0 then lim = lo * (1 + tie) else lim = lo * (1 - tie) end
 local best = nil
-if #ARGV > e0 then  -- the policy's own rule on the exact counts: least cost + (exact - seen) * growth
-  local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
-  for j = 1, ncand do
-    if load[j] <= least + slack then
-      local c, g, s = tonumber(ARGV[e0 + j]), tonumber(ARGV[e0 + ncand + j]), tonumber(ARGV[e0 + 2 * ncand + j])
-      adj[j] = c + (load[j] - s) * g
-      if lo == nil or adj[j] < lo then lo = adj[j] end
-    end
-  end
-  local lim = lo + math.abs(lo) * tie
-  for j = 1, ncand do
-    if adj[j] and adj[j] <= lim and (best == nil or load[j] < load[best]) then best = j end
-  end
-else  -- the first in the policy's order within the slack of the least
-  for j = 1, ncand do
-    if load[j] <= least + slack then best = j break end
-  end
+for j = 1, ncand do
+  if adj[j] and adj[j] <= lim and (best == nil or load[j] < load[best]) then best = j end
 end
 local own = ARGV[1] .. '|' .. ARGV[c0 + best - 1]
 local x = tonumber(redis.call('HGET', KEYS[1], own) or '0')
@@ -129,13 +130,31 @@ return n
 
 
 class Costs(NamedTuple):
-    """A cost-aware policy's rule for the reservation, per candidate: predicted cost, its growth per slot the
-    decision's loads left out, those loads (``seen``); ``tie``: costs within this fraction are ties."""
+    """The rule's inputs for the reservation, per candidate: predicted cost, its growth per slot the decision's
+    loads left out, those loads (``seen``); ``tie``: costs within this fraction are ties (see
+    :func:`eldr_cli.routing.policies.rerank`). A rule without costs: :meth:`in_order`."""
 
     cost: list[float]
     growth: list[float]
     seen: list[int]
     tie: float
+
+    @classmethod
+    def in_order(cls, n: int) -> Costs:
+        """The rule without costs over ``n`` candidates: each one's position is its cost (the first in order
+        within the slack)."""
+        return cls([float(j) for j in range(n)], [0.0] * n, [0] * n, 0.0)
+
+
+def select_args(replica_id: str, slack: int, reps: Sequence[str], cands: Sequence[str], caps: Sequence[int],
+                own: Sequence[int], costs: Costs | None = None) -> list[Any]:
+    """The select script's ARGV: this replica, the slack, the peers ``reps`` whose fields count, the candidate
+    worker keys (in the rule's tie order), each peer's cap per candidate (peer-major), this replica's own cap per
+    candidate, then the rule's ``costs`` (default :meth:`Costs.in_order`) as exact decimal text."""
+    costs = Costs.in_order(len(cands)) if costs is None else costs
+    return [replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps, *own,
+            repr(float(costs.tie)), *map(repr, map(float, costs.cost)), *map(repr, map(float, costs.growth)),
+            *map(int, costs.seen)]
 
 
 @dataclass
@@ -156,7 +175,7 @@ class Reserver:
         self._peers = peers  # the other replicas whose signed state verified: {replica: {worker key: in-flight}}
         self._on_ignored = on_ignored  # called with the number of fields outside 0..MAX_IN_FLIGHT seen
         self._redis = redis
-        self._select = redis.register_script(_SELECT)
+        self._select = redis.register_script(SELECT)
         self._release = redis.register_script(_RELEASE)
         self._cleanup = redis.register_script(_CLEANUP)
         self._move = redis.register_script(_MOVE)
@@ -169,21 +188,17 @@ class Reserver:
 
     async def choose(self, cands: Sequence[str], slack: int = 0,
                      costs: Costs | None = None) -> tuple[int | None, asyncio.Task[Any] | None]:
-        """(index into ``cands`` of the reserved worker, None) in time: among the candidates whose slots over all
-        replicas are within ``slack`` of the least, the first (0: the least reserved, ties in order), or with
-        ``costs`` the least ``cost + (slots - seen) * growth`` (ties within ``tie`` to fewer slots); (None, the
-        pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
-        (None, None) on errors."""
+        """(index into ``cands`` of the reserved worker, None) in time: :func:`eldr_cli.routing.policies.rerank` on
+        the slots over all replicas, ``cands`` in its tie order, with ``costs`` (default :meth:`Costs.in_order`:
+        the first within ``slack`` of the least); (None, the pending reservation) when Redis is late (hand it to
+        :meth:`late_slot` with the worker used instead); (None, None) on errors."""
         peers = self._peers()
         reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
         caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
         self._pending += 1
         own = [self.held.get(k, 0) + self._pending for k in cands]
-        extra = [] if costs is None else [repr(float(costs.tie)), *map(repr, costs.cost), *map(repr, costs.growth),
-                                          *costs.seen]
         task = asyncio.get_running_loop().create_task(self._select(
-            keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps,
-                                   *own, *extra]))
+            keys=[self.key], args=select_args(self.replica_id, slack, reps, cands, caps, own, costs)))
         task.add_done_callback(lambda t: self._landed(t, cands))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
