@@ -1,5 +1,6 @@
 """The proxy as a plain ASGI application (served by uvicorn with httptools + uvloop): the app object
-keeps lifecycle and dispatch; each concern has its module: the PD exchange (``exchange``), admin
+keeps lifecycle and ASGI routing; each concern has its module: the PD exchange's HTTP legs (``exchange``), the
+hand-off to a decode worker (``dispatch``: decide, hold, reserve, record, shadows), admin
 (``admin``), health (``health``), HTTP plumbing and errors (``http``), shared state between replicas (``replicas``).
 
 PD flow per request (vLLM's disaggregated-serving protocol, as its NIXL proxy speaks it):
@@ -31,6 +32,7 @@ from typing import Any
 from eldr_cli.proxy.admin import AdminMixin
 from eldr_cli.proxy.base import ProxyState
 from eldr_cli.proxy.config import ProxyConfig
+from eldr_cli.proxy.dispatch import Dispatcher, Recorder
 from eldr_cli.proxy.exchange import ExchangeMixin
 from eldr_cli.proxy.health import HealthMixin
 from eldr_cli.proxy.http import ENDPOINTS, Receive, Scope, Send, error_body, send_bytes, send_json
@@ -57,6 +59,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.shadow = ShadowSet(self.state, cfg.shadow)
             register_shadow_metrics(self.metrics.registry, self.shadow)
+        self._build_dispatch()
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -79,6 +82,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.drift = DriftWatch(self.state)
             self.metrics.registry.register(DriftCollector(self.drift))
+        self._build_dispatch()  # with the decision log and the drift watch
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         await self.state.shared.start(self)
@@ -106,8 +110,17 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.decision_log is not None:
             self.decision_log.close()
             self.decision_log = None
+            self._build_dispatch()
         if self.drift is not None:
             self.drift.close()
+    def _build_dispatch(self) -> None:
+        """The hand-off (:class:`Dispatcher`) from the parts as they are now: at start and after every admin swap
+        (a request keeps the dispatcher it started with)."""
+        st, cfg = self.state, self.cfg
+        recorder = Recorder(self.metrics, self.decision_log, self.drift, st.routing_path, cfg.scrape_metrics)
+        self.dispatch = Dispatcher(st.router, st.decode, st.shared, recorder, self.shadow, tau=st.tau_effective(),
+                                   scrape_metrics=cfg.scrape_metrics)
+
     # -- shared state (several replicas) -------------------------------------------------------
     def all_workers(self) -> list[Worker]:
         return [*self.state.prefill, *self.state.decode]

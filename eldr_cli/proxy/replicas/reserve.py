@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.proxy.workers import WorkerPool
     from eldr_cli.routing import Decision
+    from eldr_cli.routing.router import Offer
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -283,23 +284,20 @@ class Reserver:
             pass
 
 
-async def reserve_decode(state: ProxyState, choice: Decision,
-                         loads: Sequence[int] | None = None) -> tuple[Decision, Slot | None]:
-    """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
-    was reserved: a policy that does not reserve, reservation off, Redis down). ``loads``: those the decision
-    was made on (the proxy passes them: read now, they would hold the request itself on ``choice.worker`` and
-    widen the candidates by one)."""
-    sh = state.shared
-    rv = sh.reserver
+async def reserve_decode(reserver: Reserver | None, offer: Offer | None, pool: WorkerPool, choice: Decision,
+                         loads: Sequence[int], scrape_metrics: bool = False) -> tuple[Decision, Slot | None]:
+    """The decision to follow after the router chose ``choice`` on ``loads`` (those the decision was made on: read
+    now, they would hold the request itself on ``choice.worker`` and widen the candidates by one), and its reserved
+    slot (None when nothing was reserved: no ``reserver`` (reservation off), no ``offer`` (a policy that does not
+    reserve, or Redis out: counted as skipped), Redis down). ``pool``: the decode workers (their health, and the
+    pool of now once the round trip is over); ``scrape_metrics``: a local decision reads the scraped loads."""
+    rv = reserver
     if rv is None:
         return choice, None
-    if loads is None:
-        loads = state.decode.loads(state.cfg.scrape_metrics)
-    offer = None if sh.in_outage else state.router.reservation(choice, loads)
     if offer is None:
         rv.results["skipped"] += 1
         return choice, None
-    workers = state.decode.workers
+    workers = pool.workers
     slack = offer.slack
     band = [j for j, k in enumerate(offer.order) if workers[k].healthy]
     if not band:
@@ -313,12 +311,12 @@ async def reserve_decode(state: ProxyState, choice: Decision,
         offer.tie)
     mine = workers[choice.worker]
     i, late = await rv.choose(keys, slack, costs)
-    cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
+    cur = pool.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
         return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])
     if late is not None:  # decide locally now, on the loads of now (not those before the wait)
         up = [w for w in cands if w in cur] or [w for w in cur if w.healthy] or cur
-        w = min(up, key=lambda w: w.load(state.cfg.scrape_metrics))
+        w = min(up, key=lambda w: w.load(scrape_metrics))
         return dataclasses.replace(choice, worker=cur.index(w)), rv.late_slot(late, keys, f"{w.role}|{w.url}")
     if i is not None:  # the answer names a worker that left the pool meanwhile: its slot back, decided locally
         rv.results["ok"] -= 1
@@ -327,4 +325,4 @@ async def reserve_decode(state: ProxyState, choice: Decision,
     if mine in cur:  # the local decision, on the pool of now (positions shift when a worker leaves)
         return dataclasses.replace(choice, worker=cur.index(mine)), None
     up = [w for w in cur if w.healthy] or cur
-    return dataclasses.replace(choice, worker=cur.index(min(up, key=lambda w: w.load(state.cfg.scrape_metrics)))), None
+    return dataclasses.replace(choice, worker=cur.index(min(up, key=lambda w: w.load(scrape_metrics)))), None
