@@ -4,10 +4,10 @@ they hold a router built by :func:`eldr_cli.routing.router.make_router`.
 
 - :func:`locality_band` is the pure ELDR decision over (signature, centroids, loads, tau);
 - every policy implements ``rank(loads, signature, domain, tokens) -> Ranking``: a value holding its first
-  choice, the candidates in order of preference, their predicted costs, the load cap (slack) it allows and
-  what it needs back at dispatch; nothing is read back from a policy's attributes. Stateful policies follow
-  each request's life through ``on_dispatch`` / ``on_finish`` and share their state across replicas through
-  ``export_state`` / ``merge_state``.
+  choice, the candidates in the tie order of :func:`rerank` (the one re-ranking rule), their predicted costs,
+  the load cap (slack) it allows and what it needs back at dispatch; nothing is read back from a policy's
+  attributes. Stateful policies follow each request's life through ``on_dispatch`` / ``on_finish`` and share
+  their state across replicas through ``export_state`` / ``merge_state``.
 """
 
 from __future__ import annotations

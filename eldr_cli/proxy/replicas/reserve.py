@@ -16,7 +16,7 @@ counts in Redis stay complete).
 The load cap is the policy's (``Ranking.slack``; eldr-live: ``max(2, ceil(0.25 x mean))``), enforced here on
 Redis's exact counts. The reservation counts in Redis are not signed (Lua cannot check a tag without the key),
 so they only choose *among* candidates the replica picked from signed data: the policy's candidates (ELDR: the
-locality band; eldr-live: every decoder in its order of preference; JSQ: the healthy pool), narrowed to the
+locality band; eldr-live: every decoder in its tie order; JSQ: the healthy pool), narrowed to the
 workers whose signed load is within the policy's slack plus ``TRUST_MARGIN`` of the least loaded; the
 decision's own worker always stays a candidate (a margin must never drop the policy's own choice).
 Forged reservations can therefore move a choice only inside that set. And the script reads only the
