@@ -33,7 +33,7 @@ from eldr_cli.proxy.admin import AdminMixin
 from eldr_cli.proxy.base import ProxyState
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.dispatch import Dispatcher, Recorder
-from eldr_cli.proxy.exchange import ExchangeMixin
+from eldr_cli.proxy.exchange import Exchange
 from eldr_cli.proxy.health import HealthMixin
 from eldr_cli.proxy.http import ENDPOINTS, Receive, Scope, Send, error_body, send_bytes, send_json
 from eldr_cli.proxy.metrics import ProxyMetrics
@@ -43,7 +43,7 @@ from eldr_cli.proxy.workers import Worker
 log = logging.getLogger("eldr.proxy")
 
 
-class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
+class ProxyApp(AdminMixin, HealthMixin):
     """ASGI app. ``await app.start()`` / ``await app.stop()`` are run by the ASGI lifespan (or
     lazily on the first request when the server does not send lifespan events)."""
 
@@ -59,7 +59,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.shadow = ShadowSet(self.state, cfg.shadow)
             register_shadow_metrics(self.metrics.registry, self.shadow)
-        self._build_dispatch()
+        st = self.state
+        self.exchange = Exchange(cfg, self.metrics, st.prefill, st.prefix, st.shared, st, self._dispatcher())
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -113,13 +114,21 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
             self._build_dispatch()
         if self.drift is not None:
             self.drift.close()
-    def _build_dispatch(self) -> None:
-        """The hand-off (:class:`Dispatcher`) from the parts as they are now: at start and after every admin swap
-        (a request keeps the dispatcher it started with)."""
+    @property
+    def dispatch(self) -> Dispatcher:
+        """The hand-off the next request gets."""
+        return self.exchange.dispatch
+
+    def _dispatcher(self) -> Dispatcher:
         st, cfg = self.state, self.cfg
         recorder = Recorder(self.metrics, self.decision_log, self.drift, st.routing_path, cfg.scrape_metrics)
-        self.dispatch = Dispatcher(st.router, st.decode, st.shared, recorder, self.shadow, tau=st.tau_effective(),
-                                   scrape_metrics=cfg.scrape_metrics)
+        return Dispatcher(st.router, st.decode, st.shared, recorder, self.shadow, tau=st.tau_effective(),
+                          scrape_metrics=cfg.scrape_metrics)
+
+    def _build_dispatch(self) -> None:
+        """The hand-off (:class:`Dispatcher`) again from the parts as they are now: at start (the decision log and
+        the drift watch) and after every admin swap (a request keeps the dispatcher it started with)."""
+        self.exchange.dispatch = self._dispatcher()
 
     # -- shared state (several replicas) -------------------------------------------------------
     def all_workers(self) -> list[Worker]:
@@ -167,7 +176,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
             path, method = scope["path"], scope["method"]
             endpoint = ENDPOINTS.get(path)
             if endpoint is not None and method == "POST":
-                return await self._generate(endpoint, scope, receive, send)
+                return await self.exchange.generate(endpoint, scope, receive, send)
             if method == "GET":
                 if path == "/health":
                     return await self._health(send)

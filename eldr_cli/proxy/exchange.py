@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -27,22 +27,49 @@ from eldr_cli.proxy.http import (
     validate_body,
     wait_disconnect,
 )
-from eldr_cli.proxy.parts import AppParts
 from eldr_cli.proxy.request import RequestContext, prefill_body
 from eldr_cli.proxy.upstream import UpstreamError
-from eldr_cli.proxy.workers import Worker
+from eldr_cli.proxy.workers import Worker, WorkerPool
 from eldr_cli.routing import Decision
-from eldr_cli.routing.prefill import prompt_key
+from eldr_cli.routing.prefill import PrefixHashPrefill, prompt_key
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.config import ProxyConfig
+    from eldr_cli.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("eldr.proxy")
 PREFILL_LABEL = {"connect": "connection", "closed": "connection"}  # eldr_proxy_upstream_errors' kinds, per leg
 
-class ExchangeMixin(AppParts):
-    """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
+class RequestCounts(Protocol):
+    """The app's request counters (:class:`eldr_cli.proxy.base.ProxyState` holds them; metrics and tests read them)."""
+
+    started: int
+    in_progress: int
+    outcomes: dict[str, int]
+
+
+class InFlight(Protocol):
+    """What the legs need of the shared state (:mod:`eldr_cli.proxy.replicas.shared`): a note that this replica's
+    in-flight counts changed, and a request's reserved decode slot given back."""
+
+    def note_change(self) -> None: ...
+
+    def release(self, request: Any) -> None: ...
+
+
+class Exchange:
+    """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`, built from explicit parts: the config (body
+    limit, timeouts), the metrics, the prefill pool and its chooser, the shared state's in-flight side, the request
+    counters and ``dispatch``, the hand-off (the app replaces it on every admin swap)."""
+
+    def __init__(self, cfg: ProxyConfig, metrics: ProxyMetrics, prefill: WorkerPool, prefix: PrefixHashPrefill,
+                 shared: InFlight, counts: RequestCounts, dispatch: Dispatcher):
+        self.cfg, self.metrics, self.prefill, self.prefix = cfg, metrics, prefill, prefix
+        self.shared, self.counts, self.dispatch = shared, counts, dispatch
 
     # -- the generate path ----------------------------------------------------------------------
-    async def _generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
-        st = self.state
+    async def generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
+        st = self.counts
         st.started += 1
         st.in_progress += 1
         rid = None
@@ -140,7 +167,7 @@ class ExchangeMixin(AppParts):
         return "cancelled"
 
     async def _pd(self, ctx: RequestContext, body: dict[str, Any], send: Send, rid_h: tuple[bytes, bytes]) -> str:
-        st, m = self.state, self.metrics
+        m = self.metrics
         path = "/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
         headers = [("content-type", "application/json"), ("x-request-id", ctx.rid)]
         if ctx.auth is not None:
@@ -149,7 +176,7 @@ class ExchangeMixin(AppParts):
         # 1. prefill leg (one retry on another worker)
         pre_raw = prefill_body(body)
         key = prompt_key(body, ctx.endpoint == "chat")
-        pw = st.prefix.choose(st.prefill, key)
+        pw = self.prefix.choose(self.prefill, key)
         failures = []
         answer = None
         for attempt in range(2):
@@ -169,7 +196,7 @@ class ExchangeMixin(AppParts):
                     return "bad_request"
                 failures.append(f"{pw.id} ({pw.url}): {e.reason}")
                 if attempt == 0:
-                    pw = st.prefix.choose(st.prefill, key, exclude=pw)
+                    pw = self.prefix.choose(self.prefill, key, exclude=pw)
                     if pw is not None:
                         m.child(m.retries, "prefill").inc()
         if answer is None:
@@ -219,7 +246,7 @@ class ExchangeMixin(AppParts):
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1
-        self.state.shared.note_change()
+        self.shared.note_change()
         resp = None
         try:
             try:
@@ -231,7 +258,7 @@ class ExchangeMixin(AppParts):
                 raise UpstreamError("timeout", f"no answer within {self.cfg.prefill_timeout_s:g} s") from None
         finally:
             w.inflight -= 1
-            self.state.shared.note_change()
+            self.shared.note_change()
             if resp is not None:
                 resp.release()
         if status != 200:
@@ -304,6 +331,6 @@ class ExchangeMixin(AppParts):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return "ok"
         finally:
-            self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
+            self.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

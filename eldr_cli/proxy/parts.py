@@ -1,4 +1,4 @@
-"""The attributes and helpers of :class:`eldr_cli.proxy.app.ProxyApp` that its exchange, admin and health mixins
+"""The attributes and helpers of :class:`eldr_cli.proxy.app.ProxyApp` that its admin and health mixins
 use, declared here so that each module type-checks on its own (and :mod:`eldr_cli.proxy.base`, which the drift
 watch, the metrics and the shadows read, imports none of them)."""
 
@@ -13,7 +13,6 @@ from eldr_cli.proxy.workers import Worker
 
 if TYPE_CHECKING:
     from eldr_cli.proxy.decisionlog import DecisionLog
-    from eldr_cli.proxy.dispatch import Dispatcher
     from eldr_cli.proxy.drift import DriftWatch
     from eldr_cli.proxy.metrics import ProxyMetrics
     from eldr_cli.proxy.shadow import ShadowSet
@@ -28,7 +27,6 @@ class AppParts:
     decision_log: DecisionLog | None
     drift: DriftWatch | None
     shadow: ShadowSet | None
-    dispatch: Dispatcher  # the hand-off, built from the parts above (again after every admin swap)
 
     def _open(self, w: Worker) -> None:
         raise NotImplementedError
