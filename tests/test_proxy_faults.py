@@ -182,7 +182,7 @@ def test_upstream_pool_resends_on_a_connection_the_server_closed():
     """A kept-alive connection closed by the worker while idle is replaced transparently."""
     import asyncio
 
-    from eldr_cli.proxy.upstream import HttpPool, UpstreamHTTPError
+    from eldr_cli.proxy.upstream import HttpPool, UpstreamError
 
     async def run():
         served = []
@@ -216,7 +216,7 @@ def test_upstream_pool_resends_on_a_connection_the_server_closed():
         bodies.append(len(big))
         await pool.close()
         srv.close()
-        with pytest.raises(UpstreamHTTPError) as e:
+        with pytest.raises(UpstreamError) as e:
             await HttpPool(f"http://127.0.0.1:{port}").request("GET", "/x")
         return bodies, served, e.value.kind
 

@@ -161,7 +161,9 @@ def test_forged_reservations_move_a_choice_only_among_near_least_loaded(cluster)
         async def choose(extra):  # d1 carries `extra` more requests in the signed counts than d0
             w1.remote_inflight = extra - w1.inflight
             jsq_ranking = Ranking(0, slack=0, candidates=(0, 1))
-            choice, slot = await reserve_decode(a.state, Decision(0, "unused", ranking=jsq_ranking))
+            d, loads = Decision(0, "unused", ranking=jsq_ranking), a.state.decode.loads()
+            choice, slot = await reserve_decode(a.state.shared.reserver, a.state.router.reservation(d, loads),
+                                                a.state.decode, d, loads)
             a.state.shared.reserver.release(slot)
             return choice.worker
 

@@ -133,7 +133,7 @@ def test_preference_order_for_the_replicas_reservation():
 def test_growth_is_the_cost_of_one_more_request_the_loads_left_out():
     """The replicas' reservation corrects each predicted cost by ``growth_ms`` per request in flight that the
     decision's loads did not count: exactly what the cost becomes with one more in B (same live set), idle
-    decoders included; and the router's Offer carries costs and growth in the order of preference."""
+    decoders included; and the router's Offer carries costs and growth in the rule's tie order."""
     from eldr_cli.routing.router import Offer
 
     protos, act = _disjoint()
@@ -150,7 +150,9 @@ def test_growth_is_the_cost_of_one_more_request_the_loads_left_out():
             assert more.predicted_ms[d] - base.predicted_ms[d] == pytest.approx(base.growth_ms[d], rel=1e-5)
     dec = r.decide(None, loads)
     offer = r.reservation(dec, loads)
-    assert isinstance(offer, Offer) and offer.order[0] == dec.worker and sorted(offer.order) == [0, 1, 2, 3]
+    # the order is the rule's tie order (policies.rerank): the decoder sent a request longest ago first
+    assert isinstance(offer, Offer) and offer.order == list(dec.ranking.candidates)
+    assert sorted(offer.order) == [0, 1, 2, 3]
     assert offer.cost == [float(dec.predicted_ms[k]) for k in offer.order]
     assert offer.growth == [float(dec.ranking.growth_ms[k]) for k in offer.order]
     assert offer.slack == dec.ranking.slack

@@ -49,7 +49,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
 _schema_cache: dict[str, dict] = {}
 
 
-def _load_schema(name: str) -> dict:
+def load_schema(name: str) -> dict:
+    """A JSON Schema shipped in ``manifests/`` by file name (read once)."""
     if name not in _schema_cache:
         f = MANIFESTS_DIR / name
         if not f.is_file():
@@ -77,9 +78,9 @@ def validate_manifest(m: dict) -> None:
         raise EldrError(
             f"{kind} artifact has schema version {version}, newer than this eldr supports "
             f"({SCHEMA_VERSIONS[kind]})", hint="upgrade eldr or rebuild the artifact with this version")
-    base = _load_schema("manifest.schema.json")
+    base = load_schema("manifest.schema.json")
     registry = Registry().with_resource("manifest.schema.json", Resource.from_contents(base))
-    schema = _load_schema(schema_file(kind, version))
+    schema = load_schema(schema_file(kind, version))
     v = jsonschema.Draft202012Validator(schema, registry=registry)
     errors = sorted(v.iter_errors(m), key=lambda e: list(e.path))
     if errors:

@@ -89,7 +89,8 @@ class LayerSelector:
         self.n_layers_ = int(np.argmax(self.cumulative_rho_)) + 1
         self.mask_ = np.sort(self.order_[: self.n_layers_]).astype(np.int32)
         self.weights_ = np.asarray(idf, dtype=np.float64) if self.transform_ == "count-idf" else np.ones((L, E))
-        self.layer_weights_, self.weight_rho_ = np.ones(L), {}
+        self.layer_weights_ = np.ones(L)
+        self.weight_rho_: dict[str, float] = {}
         if self.learn_weights:  # issue 35: per-layer weights learned on rho (method.layer_weights)
             v, self.weight_rho_ = learn_layer_weights(cache, pattern_distance, self.mask_)
             self.layer_weights_ = np.where(v > 0, v, 1.0)

@@ -26,11 +26,14 @@ MAX_STEPS = 1024   # decode steps generated per request at most
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a ``.jsonl`` decision log (a last line cut off by a crash is dropped and counted under
-    ``_truncated``) or of a ``.parquet`` one's numbered part files."""
+    ``_truncated``) or of a ``.parquet`` one's numbered part files, each checked against the row's schema
+    (``manifests/decision-log.v2.schema.json``)."""
     p = Path(path)
     if p.suffix == ".parquet" or (not p.exists() and p.with_suffix(".parquet").parent.is_dir()
                                   and any(p.parent.glob(f"{p.stem}-*.parquet"))):
-        return _read_parquet(p)
+        rows = _read_parquet(p)
+        check_rows(rows, p, "row")
+        return rows
     if not p.is_file():
         raise EldrError(f"decision log {p} does not exist", hint=f"write one with `{REPLAY_OPTION}`")
     rows, lines = [], p.read_bytes().split(b"\n")
@@ -48,9 +51,29 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise EldrError(f"decision log {p}, line {n}: not a JSON object")
         rows.append(row)
+    check_rows(rows, p, "line", [n for n, line in enumerate(lines, 1) if line.strip()])
     if rows:
         rows[0]["_truncated"] = cut
     return rows
+
+
+def check_rows(rows: list[dict[str, Any]], path: Path, unit: str, numbers: list[int] | None = None) -> None:
+    """Every row against the decision log's row schema (:data:`eldr_cli.proxy.decisionlog.ROW_SCHEMA`); the first
+    that does not match is one message naming its line (or row) and field."""
+    import jsonschema
+
+    from eldr_cli.artifacts.schema import load_schema
+    from eldr_cli.proxy.decisionlog import ROW_SCHEMA
+
+    v = jsonschema.Draft202012Validator(load_schema(ROW_SCHEMA))
+    for i, row in enumerate(rows):
+        err = next(iter(v.iter_errors(row)), None)
+        if err is not None:
+            where = "/".join(str(x) for x in err.absolute_path) or "(top level)"
+            n = numbers[i] if numbers is not None else i + 1
+            raise EldrError(f"decision log {path}, {unit} {n} does not match {ROW_SCHEMA} at {where}: {err.message}",
+                            hint="a decision log is written by `eldr serve-proxy --decision-log FILE`; "
+                                 "do not edit its rows")
 
 
 def _read_parquet(p: Path) -> list[dict[str, Any]]:

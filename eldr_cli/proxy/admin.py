@@ -11,9 +11,9 @@ import orjson
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError, InvalidParameterError
-from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.config import check_worker_url
 from eldr_cli.proxy.http import Receive, Refused, Scope, Send, error_body, send_json
+from eldr_cli.proxy.parts import AppParts
 from eldr_cli.routing import RoutingModel
 from eldr_cli.routing.registry import check_policy
 
@@ -112,6 +112,7 @@ class AdminMixin(AppParts):
         for w in [*st.prefill, *st.decode]:
             w.healthy = f"{w.role}|{w.url}" not in down
         st.model, st.routing_path, st.router, st.tau_override = model, c.get("routing"), router, tau
+        self._build_dispatch()
         m.child(m.admin_actions, "config", "remote_ok").inc()
         log.info("adopted the cluster's configuration", extra={"event": "admin", "action": "config",
                                                                "remote": True, "policy": name})
@@ -194,6 +195,7 @@ class AdminMixin(AppParts):
         except EldrError as e:
             raise Refused(str(e)) from None
         st.router, st.tau_override = router, tau
+        self._build_dispatch()
         return self._pools()
 
     def _admin_workers(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +230,7 @@ class AdminMixin(AppParts):
             raise Refused(str(e), status=409) from None
         if role == "decode":
             st.router = st.make(st.policy_name, len(st.decode), st.model, st.tau_override)
+            self._build_dispatch()
         return self._pools()
 
     def _admin_reload(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -274,4 +277,5 @@ class AdminMixin(AppParts):
                     ordered.append(w)
             st.decode.workers = ordered
         st.model, st.routing_path, st.router = model, path, router
+        self._build_dispatch()
         return self._pools()

@@ -1,5 +1,6 @@
 """The proxy as a plain ASGI application (served by uvicorn with httptools + uvloop): the app object
-keeps lifecycle and dispatch; each concern has its module: the PD exchange (``exchange``), admin
+keeps lifecycle and ASGI routing; each concern has its module: the PD exchange's HTTP legs (``exchange``), the
+hand-off to a decode worker (``dispatch``: decide, hold, reserve, record, shadows), admin
 (``admin``), health (``health``), HTTP plumbing and errors (``http``), shared state between replicas (``replicas``).
 
 PD flow per request (vLLM's disaggregated-serving protocol, as its NIXL proxy speaks it):
@@ -31,7 +32,8 @@ from typing import Any
 from eldr_cli.proxy.admin import AdminMixin
 from eldr_cli.proxy.base import ProxyState
 from eldr_cli.proxy.config import ProxyConfig
-from eldr_cli.proxy.exchange import ExchangeMixin
+from eldr_cli.proxy.dispatch import Dispatcher, Recorder
+from eldr_cli.proxy.exchange import Exchange
 from eldr_cli.proxy.health import HealthMixin
 from eldr_cli.proxy.http import ENDPOINTS, Receive, Scope, Send, error_body, send_bytes, send_json
 from eldr_cli.proxy.metrics import ProxyMetrics
@@ -41,7 +43,7 @@ from eldr_cli.proxy.workers import Worker
 log = logging.getLogger("eldr.proxy")
 
 
-class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
+class ProxyApp(AdminMixin, HealthMixin):
     """ASGI app. ``await app.start()`` / ``await app.stop()`` are run by the ASGI lifespan (or
     lazily on the first request when the server does not send lifespan events)."""
 
@@ -57,6 +59,8 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.shadow = ShadowSet(self.state, cfg.shadow)
             register_shadow_metrics(self.metrics.registry, self.shadow)
+        st = self.state
+        self.exchange = Exchange(cfg, self.metrics, st.prefill, st.prefix, st.shared, st, self._dispatcher())
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -79,6 +83,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
 
             self.drift = DriftWatch(self.state)
             self.metrics.registry.register(DriftCollector(self.drift))
+        self._build_dispatch()  # with the decision log and the drift watch
         if self.cfg.health_interval_s > 0:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
         await self.state.shared.start(self)
@@ -106,8 +111,25 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
         if self.decision_log is not None:
             self.decision_log.close()
             self.decision_log = None
+            self._build_dispatch()
         if self.drift is not None:
             self.drift.close()
+    @property
+    def dispatch(self) -> Dispatcher:
+        """The hand-off the next request gets."""
+        return self.exchange.dispatch
+
+    def _dispatcher(self) -> Dispatcher:
+        st, cfg = self.state, self.cfg
+        recorder = Recorder(self.metrics, self.decision_log, self.drift, st.routing_path, cfg.scrape_metrics)
+        return Dispatcher(st.router, st.decode, st.shared, recorder, self.shadow, tau=st.tau_effective(),
+                          scrape_metrics=cfg.scrape_metrics)
+
+    def _build_dispatch(self) -> None:
+        """The hand-off (:class:`Dispatcher`) again from the parts as they are now: at start (the decision log and
+        the drift watch) and after every admin swap (a request keeps the dispatcher it started with)."""
+        self.exchange.dispatch = self._dispatcher()
+
     # -- shared state (several replicas) -------------------------------------------------------
     def all_workers(self) -> list[Worker]:
         return [*self.state.prefill, *self.state.decode]
@@ -154,7 +176,7 @@ class ProxyApp(ExchangeMixin, AdminMixin, HealthMixin):
             path, method = scope["path"], scope["method"]
             endpoint = ENDPOINTS.get(path)
             if endpoint is not None and method == "POST":
-                return await self._generate(endpoint, scope, receive, send)
+                return await self.exchange.generate(endpoint, scope, receive, send)
             if method == "GET":
                 if path == "/health":
                     return await self._health(send)

@@ -1,25 +1,17 @@
-"""What the proxy's concern modules share: :class:`ProxyState` (pools, decode router, routing model, counters)
-and :class:`AppParts`, the attributes and helpers of :class:`eldr_cli.proxy.app.ProxyApp` that the
-exchange, admin and health mixins use (declared here so each module type-checks on its own)."""
+"""What the proxy's concern modules share: :class:`ProxyState` (pools, decode router, routing model, counters).
+The app's attributes the exchange, admin and health mixins use are declared in :mod:`eldr_cli.proxy.parts`."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.replicas.conn import parse_state_url
 from eldr_cli.proxy.replicas.shared import LocalState, RedisState
-from eldr_cli.proxy.workers import Worker, WorkerPool
+from eldr_cli.proxy.workers import WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 from eldr_cli.routing.prefill import PrefixHashPrefill
-
-if TYPE_CHECKING:
-    from eldr_cli.proxy.decisionlog import DecisionLog
-    from eldr_cli.proxy.drift import DriftWatch
-    from eldr_cli.proxy.metrics import ProxyMetrics
-    from eldr_cli.proxy.shadow import ShadowSet
 
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:
@@ -97,23 +89,3 @@ class ProxyState:
         if self.tau_override is not None:
             return float(self.tau_override)
         return float(self.model.tau) if self.model is not None else float("nan")
-
-
-class AppParts:
-    """Declared for type checkers; :class:`eldr_cli.proxy.app.ProxyApp` provides them."""
-
-    cfg: ProxyConfig
-    state: ProxyState
-    metrics: ProxyMetrics
-    decision_log: DecisionLog | None
-    drift: DriftWatch | None
-    shadow: ShadowSet | None
-
-    def _open(self, w: Worker) -> None:
-        raise NotImplementedError
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        raise NotImplementedError
-
-    async def _close_when_drained(self, w: Worker) -> None:
-        raise NotImplementedError

@@ -1,4 +1,5 @@
-"""Optional decision log for offline replay: one row per decode routing decision.
+"""Optional decision log for offline replay: one row per decode routing decision
+(:meth:`eldr_cli.proxy.dispatch.DecisionRecord.row`; schema ``manifests/decision-log.v2.schema.json``).
 
 Row: ts (unix s), request_id, policy, tau, signature ("ok"|"missing"|"malformed"), similarities [K]
 (eldr only), band [worker positions] (eldr's locality band), predicted_ms [K] (eldr-live), loads [K] as
@@ -35,21 +36,10 @@ import orjson
 from eldr_cli.proxy.background import QueueThread
 
 LOG_VERSION = 2  # 1: rows without the replay fields
+ROW_SCHEMA = f"decision-log.v{LOG_VERSION}.schema.json"  # manifests/: what `eldr report --decision-log` checks
 REPLAY_FIELDS = ("log_v", "arrival_s", "prompt_tokens", "max_tokens", "sig", "routing_id")
 QUEUE_ROWS = 65536
 log = logging.getLogger("eldr.proxy")
-
-
-def decision_row(d: Any, rid: str, policy: str, tau: float | None, signature: str, loads: Any, worker_id: str,
-                 domain: str | None, seconds: float, first_id: str | None = None) -> dict[str, Any]:
-    """The row of one decision (``d``: an :class:`eldr_cli.routing.Decision`)."""
-    return {"ts": time.time(), "request_id": rid, "policy": policy, "tau": tau, "signature": signature,
-            "similarities": None if d.similarities is None else d.similarities.tolist(),
-            "band": None if d.band is None else d.band.tolist(),
-            "predicted_ms": None if d.predicted_ms is None else [round(float(x), 4) for x in d.predicted_ms],
-            "loads": [int(x) for x in loads], "chosen": d.worker, "worker": worker_id,
-            "first": worker_id if first_id is None else first_id,
-            "domain": domain, "decision_us": round(seconds * 1e6, 2)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,25 +70,6 @@ def replay_fields(t0_perf: float, answer: dict[str, Any], body: dict[str, Any], 
             "prompt_tokens": prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,
             "max_tokens": out if isinstance(out, int) and not isinstance(out, bool) else None,
             "sig": sig, "routing_id": routing_id(routing_path)}
-
-
-def observe_handoff(app: Any, t0_perf: float, answer: dict[str, Any], body: dict[str, Any],
-                    ktp: dict[str, Any] | None) -> dict[str, Any] | None:
-    """At the handoff, before the signature is popped: queue it for the drift watch, and return the replay
-    fields when the decision log records them (else None)."""
-    from eldr_cli.handoff import SIGNATURE_KEY
-
-    enc = ktp.get(SIGNATURE_KEY) if ktp is not None else None
-    if app.drift is not None:
-        app.drift.observe(enc)
-    dl = app.decision_log
-    if dl is None or not dl.replay:
-        return None
-    row = replay_fields(t0_perf, answer, body, enc, app.state.routing_path)
-    if app.cfg.scrape_metrics:  # the decoders' scraped TPOT: what `eldr report --decision-log` holds the model to
-        row["decoders_tpot_ms"] = [None if w.scraped_tpot_ms is None else round(w.scraped_tpot_ms, 4)
-                                   for w in app.state.decode.workers]
-    return row
 
 
 class DecisionLog:

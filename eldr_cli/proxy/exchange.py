@@ -1,6 +1,8 @@
-"""The PD exchange of one client request (vLLM's disaggregated-serving protocol; see eldr_cli.proxy.app):
-read and check the body, prefill leg, the handoff decision by the decode router, decode leg streamed back.
-Every request carries a typed :class:`RequestContext` and ends in exactly one terminal outcome."""
+"""The PD exchange of one client request (vLLM's disaggregated-serving protocol; see eldr_cli.proxy.app): the
+HTTP legs. Read and check the body, prefill leg, the hand-off to the app's :class:`eldr_cli.proxy.dispatch.
+Dispatcher` (decide, hold, reserve, record, shadows), decode leg streamed back. Every request carries a typed
+:class:`RequestContext` and ends in exactly one terminal outcome; an upstream failure is one
+:class:`eldr_cli.proxy.upstream.UpstreamError` whose kind names it."""
 
 from __future__ import annotations
 
@@ -8,42 +10,66 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
-from eldr_cli.proxy.base import AppParts
-from eldr_cli.proxy.decisionlog import decision_row, observe_handoff
+from eldr_cli.proxy.dispatch import Dispatcher, Handoff
 from eldr_cli.proxy.http import (
     JSON_HEADER,
     SSE_HEADER,
-    ConnectFailed,
     Receive,
     Scope,
     Send,
-    UpstreamError,
     error_body,
     send_bytes,
     send_json,
     validate_body,
     wait_disconnect,
 )
-from eldr_cli.proxy.replicas.reserve import reserve_decode
-from eldr_cli.proxy.request import RequestContext, context_tokens, prefill_body
-from eldr_cli.proxy.upstream import UpstreamHTTPError
-from eldr_cli.proxy.workers import Worker
-from eldr_cli.routing import Decision, DecodeRouter
-from eldr_cli.routing.prefill import prompt_key
+from eldr_cli.proxy.request import RequestContext, prefill_body
+from eldr_cli.proxy.upstream import UpstreamError
+from eldr_cli.proxy.workers import Worker, WorkerPool
+from eldr_cli.routing import Decision
+from eldr_cli.routing.prefill import PrefixHashPrefill, prompt_key
+
+if TYPE_CHECKING:
+    from eldr_cli.proxy.config import ProxyConfig
+    from eldr_cli.proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("eldr.proxy")
+PREFILL_LABEL = {"connect": "connection", "closed": "connection"}  # eldr_proxy_upstream_errors' kinds, per leg
 
-class ExchangeMixin(AppParts):
-    """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`."""
+class RequestCounts(Protocol):
+    """The app's request counters (:class:`eldr_cli.proxy.base.ProxyState` holds them; metrics and tests read them)."""
+
+    started: int
+    in_progress: int
+    outcomes: dict[str, int]
+
+
+class InFlight(Protocol):
+    """What the legs need of the shared state (:mod:`eldr_cli.proxy.replicas.shared`): a note that this replica's
+    in-flight counts changed, and a request's reserved decode slot given back."""
+
+    def note_change(self) -> None: ...
+
+    def release(self, request: Any) -> None: ...
+
+
+class Exchange:
+    """The generate endpoints of :class:`eldr_cli.proxy.app.ProxyApp`, built from explicit parts: the config (body
+    limit, timeouts), the metrics, the prefill pool and its chooser, the shared state's in-flight side, the request
+    counters and ``dispatch``, the hand-off (the app replaces it on every admin swap)."""
+
+    def __init__(self, cfg: ProxyConfig, metrics: ProxyMetrics, prefill: WorkerPool, prefix: PrefixHashPrefill,
+                 shared: InFlight, counts: RequestCounts, dispatch: Dispatcher):
+        self.cfg, self.metrics, self.prefill, self.prefix = cfg, metrics, prefill, prefix
+        self.shared, self.counts, self.dispatch = shared, counts, dispatch
 
     # -- the generate path ----------------------------------------------------------------------
-    async def _generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
-        st = self.state
+    async def generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
+        st = self.counts
         st.started += 1
         st.in_progress += 1
         rid = None
@@ -66,8 +92,7 @@ class ExchangeMixin(AppParts):
             outcome = await self._generate_inner(ctx, clen, receive, send)
         finally:
             st.outcomes[outcome] = st.outcomes.get(outcome, 0) + 1
-            if self.shadow is not None:
-                self.shadow.finish_later(rid)
+            self.dispatch.finish(rid)
             self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
             st.in_progress -= 1  # last: tests in other threads wait for 0, then read the outcome
             if log.isEnabledFor(logging.INFO):
@@ -142,7 +167,7 @@ class ExchangeMixin(AppParts):
         return "cancelled"
 
     async def _pd(self, ctx: RequestContext, body: dict[str, Any], send: Send, rid_h: tuple[bytes, bytes]) -> str:
-        st, m = self.state, self.metrics
+        m = self.metrics
         path = "/v1/chat/completions" if ctx.endpoint == "chat" else "/v1/completions"
         headers = [("content-type", "application/json"), ("x-request-id", ctx.rid)]
         if ctx.auth is not None:
@@ -151,7 +176,7 @@ class ExchangeMixin(AppParts):
         # 1. prefill leg (one retry on another worker)
         pre_raw = prefill_body(body)
         key = prompt_key(body, ctx.endpoint == "chat")
-        pw = st.prefix.choose(st.prefill, key)
+        pw = self.prefix.choose(self.prefill, key)
         failures = []
         answer = None
         for attempt in range(2):
@@ -163,7 +188,7 @@ class ExchangeMixin(AppParts):
                 answer = await self._prefill_leg(pw, path, pre_raw, headers)
                 break
             except UpstreamError as e:
-                m.child(m.upstream_errors, "prefill", pw.id, e.kind).inc()
+                m.child(m.upstream_errors, "prefill", pw.id, PREFILL_LABEL.get(e.kind, e.kind)).inc()
                 if e.status is not None and 400 <= e.status < 500 and e.status not in (408, 429):
                     # the worker rejected the request itself: retrying elsewhere would not help
                     ctx.reason = f"prefill worker {pw.id} answered {e.status}"
@@ -171,7 +196,7 @@ class ExchangeMixin(AppParts):
                     return "bad_request"
                 failures.append(f"{pw.id} ({pw.url}): {e.reason}")
                 if attempt == 0:
-                    pw = st.prefix.choose(st.prefill, key, exclude=pw)
+                    pw = self.prefix.choose(self.prefill, key, exclude=pw)
                     if pw is not None:
                         m.child(m.retries, "prefill").inc()
         if answer is None:
@@ -179,134 +204,49 @@ class ExchangeMixin(AppParts):
             await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
             return "upstream_error"
 
-        # 2. handoff: signature -> the decode router's decision
+        # 2. hand-off: signature -> the decode router's decision, held, reserved, recorded (one dispatcher for the
+        # whole request: an admin swap mid-request must not split one request's dispatch and finish)
         ktp = answer.get("kv_transfer_params")
         if not isinstance(ktp, dict):
             ktp = None
-        replay = observe_handoff(self, ctx.t0, answer, body, ktp)  # drift watch; the decision log's replay fields
-        counts, sig_state = self._handoff_counts(ktp)
-        router = st.router  # an admin swap mid-request must not split one request's dispatch and finish
-        tokens = context_tokens(answer, body)
-        choice, loads, dt = self._decide(ctx, router, counts, sig_state, tokens)
-        self._hold(ctx, router, choice)  # in the live set and the worker's load before anything awaits
+        disp = self.dispatch
+        h = disp.handoff(ctx.t0, answer, body, ktp)
         try:
-            # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)
-            choice, ctx.reserved = await reserve_decode(st, choice, loads)
-            if choice.worker != ctx.decode_index:
-                self._release_hold(ctx, router)
-                self._hold(ctx, router, choice)
-            self._record(ctx, router, choice, sig_state, loads, dt, (counts, tokens, replay))
+            rec = await disp.dispatch(ctx, h)
             dec = dict(body)
             dec["kv_transfer_params"] = ktp
             leg = (path, orjson.dumps(dec), headers, bool(body.get("stream")))
-            return await self._decode_legs(ctx, router, choice, counts, tokens, leg, send, rid_h)
+            return await self._decode_legs(ctx, disp, h, rec.decision, leg, send, rid_h)
         finally:
-            self._release_hold(ctx, router)
+            disp.release(ctx)
 
-    def _hold(self, ctx: RequestContext, router: DecodeRouter, choice: Decision) -> None:
-        """The request is on ``choice.worker`` from now on: in the router's live set and in that worker's in-flight
-        count (which the next decisions' loads read), whatever awaits follow."""
-        router.on_dispatch(choice, ctx.rid)
-        w = self.state.decode.workers[choice.worker]
-        w.inflight += 1
-        ctx.decode_index, ctx.held = choice.worker, w
-        self.state.shared.note_change()
-
-    def _release_hold(self, ctx: RequestContext, router: DecodeRouter) -> None:
-        """The request left the worker :meth:`_hold` put it on (finished, failed, cancelled or moved)."""
-        if ctx.held is None or ctx.decode_index is None:
-            return
-        router.on_finish(ctx.decode_index, ctx.rid)
-        ctx.held.inflight -= 1
-        ctx.held, ctx.decode_index = None, None
-        self.state.shared.note_change()
-
-    async def _decode_legs(self, ctx: RequestContext, router: DecodeRouter, choice: Decision, counts: Any,
-                           tokens: int | None, leg: tuple[str, bytes, list[tuple[str, str]], bool], send: Send,
+    async def _decode_legs(self, ctx: RequestContext, disp: Dispatcher, h: Handoff, choice: Decision,
+                           leg: tuple[str, bytes, list[tuple[str, str]], bool], send: Send,
                            rid_h: tuple[bytes, bytes]) -> str:
-        """3. decode leg (streamed back as it comes); a connect failure retries once elsewhere. The request is in
-        the router's live set on ``choice.worker``; a retry moves it (finish there, dispatch on the new one)."""
-        st, m = self.state, self.metrics
+        """3. decode leg (streamed back as it comes); a connect failure retries once elsewhere. The request is held
+        on ``choice.worker``; a retry moves it (:meth:`Dispatcher.retry`)."""
+        m = self.metrics
         path, dec_raw, headers, stream = leg
         tried = set()
         while True:
-            idx = choice.worker
-            dw = st.decode.workers[idx]
+            dw = disp.pool.workers[choice.worker]
             tried.add(dw.id)
             ctx.decode = dw.id
             try:
                 return await self._decode_leg(ctx, dw, path, dec_raw, headers, stream, send, rid_h)
-            except ConnectFailed as e:
+            except UpstreamError as e:  # only "connect" leaves the leg: nothing was sent
                 m.child(m.upstream_errors, "decode", dw.id, "connect").inc()
-                # one retry: the same router decides again among the healthy workers not tried yet
-                up = [w.healthy and w.id not in tried for w in st.decode.workers]
-                if len(tried) >= 2 or not any(up):
+                again = disp.retry(ctx, h, tried)
+                if again is None:
                     ctx.reason = f"decode worker {dw.id} ({dw.url}) unreachable: {e}"
                     await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
                     return "upstream_error"
                 m.child(m.retries, "decode").inc()
-            self._release_hold(ctx, router)  # no await from here to the new dispatch
-            choice = router.decide(counts, st.decode.loads(self.cfg.scrape_metrics), domain=ctx.domain,
-                                   healthy=up, tokens=tokens)
-            self._hold(ctx, router, choice)
-
-    def _handoff_counts(self, ktp: dict[str, Any] | None) -> tuple[Any, str]:
-        """The handed-off prefill counts [L, E] (None when missing, malformed or not needed) and their state."""
-        enc = pop_signature(ktp)
-        if enc is None:
-            self.metrics.child(self.metrics.signature_missing, "missing").inc()
-            return None, "missing"
-        if not self.state.router.needs_signature and self.shadow is None:
-            return None, "unused"
-        try:
-            return decode_counts(enc), "ok"
-        except SignatureDecodeError:
-            self.metrics.child(self.metrics.signature_missing, "malformed").inc()
-            return None, "malformed"
-
-    def _decide(self, ctx: RequestContext, router: DecodeRouter, counts: Any, sig_state: str,
-                tokens: int | None) -> tuple[Decision, list[int], float]:
-        """The router's decision, the loads it saw and the seconds it took (recorded by :meth:`_record` once the
-        reservation has said where the request goes)."""
-        st = self.state
-        t0 = time.perf_counter()
-        loads = st.decode.loads(self.cfg.scrape_metrics)
-        d = router.decide(counts, loads, domain=ctx.domain, healthy=[w.healthy for w in st.decode.workers],
-                          tokens=tokens)
-        return d, loads, time.perf_counter() - t0
-
-    def _record(self, ctx: RequestContext, router: DecodeRouter, d: Decision, sig_state: str, loads: list[int],
-                dt: float, request: tuple[Any, int | None, dict[str, Any] | None]) -> None:
-        """Metrics and decision log of ``d`` as followed: the worker used, the ranking's first choice beside it."""
-        st, m = self.state, self.metrics
-        if d.signature == "malformed" and sig_state == "ok":  # decoded, but not of the artifact's shape
-            sig_state = "malformed"
-            m.child(m.signature_missing, sig_state).inc()
-        pname = router.name
-        ctx.policy = pname
-        m.child(m.decision_seconds, pname).observe(dt)
-        if d.band is not None:
-            m.band_size.observe(len(d.band))
-        workers = st.decode.workers
-        wid = workers[d.worker].id
-        m.child(m.decisions, pname, wid).inc()
-        if d.first != d.worker:
-            m.child(m.moved, pname).inc()
-        counts, tokens, replay = request
-        row = None
-        if self.decision_log is not None:
-            first = workers[d.first].id if 0 <= d.first < len(workers) else None
-            row = decision_row(d, ctx.rid, pname, st.tau_effective(), sig_state, loads, wid, ctx.domain, dt,
-                               first) | (replay or {})
-        if self.shadow is not None:  # the shadows decide right after this request is dispatched, then log the row
-            self.shadow.later(ctx.rid, counts, d, ctx.domain, [w.healthy for w in workers], tokens, row,
-                              self.decision_log)
-        elif row is not None and self.decision_log is not None:
-            self.decision_log.write(row)
+                choice = again
 
     async def _prefill_leg(self, w: Worker, path: str, raw: bytes, headers: list[tuple[str, str]]) -> dict[str, Any]:
         w.inflight += 1
-        self.state.shared.note_change()
+        self.shared.note_change()
         resp = None
         try:
             try:
@@ -316,11 +256,9 @@ class ExchangeMixin(AppParts):
                     status = resp.status
             except TimeoutError:
                 raise UpstreamError("timeout", f"no answer within {self.cfg.prefill_timeout_s:g} s") from None
-            except UpstreamHTTPError as e:
-                raise UpstreamError("timeout" if e.kind == "timeout" else "connection", str(e)) from None
         finally:
             w.inflight -= 1
-            self.state.shared.note_change()
+            self.shared.note_change()
             if resp is not None:
                 resp.release()
         if status != 200:
@@ -342,9 +280,9 @@ class ExchangeMixin(AppParts):
         try:
             try:
                 resp = await w.pool().request("POST", path, raw, headers, timeout=rt)
-            except UpstreamHTTPError as e:
-                if e.kind == "connect":
-                    raise ConnectFailed(str(e)) from None
+            except UpstreamError as e:
+                if e.kind == "connect":  # nothing was sent: the caller may retry on another worker
+                    raise
                 m.child(m.upstream_errors, "decode", w.id, e.kind if e.kind == "timeout" else "connection").inc()
                 ctx.reason = f"decode worker {w.id}: {e}"
                 await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h])
@@ -354,7 +292,7 @@ class ExchangeMixin(AppParts):
             if resp.status != 200:
                 try:
                     data = await resp.read(rt)
-                except UpstreamHTTPError:
+                except UpstreamError:
                     data = b""
                 m.child(m.upstream_errors, "decode", w.id, "status").inc()
                 if 400 <= resp.status < 500:
@@ -368,7 +306,7 @@ class ExchangeMixin(AppParts):
             if not stream:
                 try:
                     data = await resp.read(rt)
-                except UpstreamHTTPError as e:
+                except UpstreamError as e:
                     m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
                     ctx.reason = f"decode worker {w.id} dropped the answer: {e}"
                     await send_json(send, 502, error_body(ctx.reason, "upstream_error", 502), [rid_h, wid_h, pid_h])
@@ -384,7 +322,7 @@ class ExchangeMixin(AppParts):
                     if chunk.rstrip().endswith(b"data: [DONE]"):
                         # the whole answer is with the client; it may hang up before the upstream ends
                         ctx.delivered = True
-            except UpstreamHTTPError as e:
+            except UpstreamError as e:
                 m.child(m.upstream_errors, "decode", w.id, "timeout" if e.kind == "timeout" else "dropped").inc()
                 ctx.reason = f"decode worker {w.id} stream ended abnormally: {e}"
                 ev = orjson.dumps(error_body(ctx.reason, "upstream_error", 502))
@@ -393,6 +331,6 @@ class ExchangeMixin(AppParts):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return "ok"
         finally:
-            self.state.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
+            self.shared.release(ctx)  # its reserved slot (if any) back, whichever leg used it
             if resp is not None:
                 resp.release()  # closes the connection unless the answer was read to its end

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from eldr_cli.proxy.base import AppParts
 from eldr_cli.proxy.http import JSON_HEADER, Send, error_body, http_get, send_bytes, send_json
+from eldr_cli.proxy.parts import AppParts
 from eldr_cli.proxy.tpot import update_tpot
-from eldr_cli.proxy.upstream import UpstreamHTTPError
+from eldr_cli.proxy.upstream import UpstreamError
 from eldr_cli.proxy.workers import Worker
 
 log = logging.getLogger("eldr.proxy")
@@ -42,7 +42,7 @@ class HealthMixin(AppParts):
                 if status == 200:
                     return await send_bytes(send, 200, data, [JSON_HEADER])
                 errs.append(f"{w.id}: HTTP {status}")
-            except (UpstreamHTTPError, TimeoutError) as e:
+            except (UpstreamError, TimeoutError) as e:
                 errs.append(f"{w.id}: {e or type(e).__name__}")
         await send_json(send, 502, error_body("no worker answered /v1/models: " + "; ".join(errs),
                                               "upstream_error", 502))
@@ -73,7 +73,7 @@ class HealthMixin(AppParts):
                 text = data.decode("utf-8", "replace") if status == 200 else ""
                 w.scraped_running = parse_running(text) if status == 200 else None
                 update_tpot(w, text)
-        except (UpstreamHTTPError, TimeoutError, ValueError):
+        except (UpstreamError, TimeoutError, ValueError):
             pass  # a failed scrape after a good /health still counts the worker as up
         if ok:
             w.fail_streak, w.ok_streak = 0, w.ok_streak + 1

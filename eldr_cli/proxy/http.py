@@ -1,5 +1,5 @@
-"""HTTP plumbing of the proxy: ASGI send helpers, OpenAI-style error bodies, request-body checks,
-the upstream GET used by health checks and the errors the legs raise."""
+"""HTTP plumbing of the proxy: ASGI send helpers, OpenAI-style error bodies, request-body checks and
+the upstream GET used by health checks (the legs' one error: :class:`eldr_cli.proxy.upstream.UpstreamError`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ Headers = Sequence[tuple[bytes, bytes]]
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 JSON_HEADER = (b"content-type", b"application/json")
 SSE_HEADER = (b"content-type", b"text/event-stream; charset=utf-8")
-
-
-class UpstreamError(Exception):
-    def __init__(self, kind: str, reason: str, status: int | None = None, body: bytes | None = None):
-        super().__init__(reason)
-        self.kind, self.reason, self.status, self.body = kind, reason, status, body
 
 
 def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
@@ -62,10 +56,6 @@ def validate_body(body: Any, endpoint: str) -> str | None:
     if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
         return "'model' must be a string"
     return None
-
-
-class ConnectFailed(Exception):
-    pass
 
 
 class Refused(EldrError):

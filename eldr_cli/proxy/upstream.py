@@ -19,12 +19,16 @@ from urllib.parse import urlsplit
 import httptools
 
 
-class UpstreamHTTPError(Exception):
-    """kind: "connect" (nothing was sent), "timeout", or "closed" (connection lost mid-answer)."""
+class UpstreamError(Exception):
+    """The one error of an upstream leg, by ``kind``: "connect" (nothing was sent), "timeout", "closed" (the
+    connection was lost mid-answer or the answer was not HTTP), "status" (an error status: ``status`` and the
+    answer's ``body``) or "bad_answer" (not the JSON the leg expects). ``reason``: what to tell the client."""
 
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
+    KINDS = ("connect", "timeout", "closed", "status", "bad_answer")
+
+    def __init__(self, kind: str, reason: str, status: int | None = None, body: bytes | None = None):
+        super().__init__(reason)
+        self.kind, self.reason, self.status, self.body = kind, reason, status, body
 
 
 class _Conn(asyncio.Protocol):
@@ -77,7 +81,7 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self.closed = True
             self.transport.close()
-            self._wake(UpstreamHTTPError("closed", f"bad HTTP from upstream: {e}"))
+            self._wake(UpstreamError("closed", f"bad HTTP from upstream: {e}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -85,7 +89,7 @@ class _Conn(asyncio.Protocol):
             self.done = True  # body delimited by connection close
             self._wake(None)
         elif not self.done:
-            self._wake(UpstreamHTTPError("closed", "upstream closed the connection"
+            self._wake(UpstreamError("closed", "upstream closed the connection"
                                          + ("" if exc is None else f" ({type(exc).__name__})")))
 
     # httptools callbacks
@@ -136,7 +140,7 @@ class _Conn(asyncio.Protocol):
 
 def _expire(fut: asyncio.Future[None], timeout: float) -> None:
     if not fut.done():
-        fut.set_exception(UpstreamHTTPError("timeout", f"no data from upstream for {timeout:g} s"))
+        fut.set_exception(UpstreamError("timeout", f"no data from upstream for {timeout:g} s"))
 
 
 class Response:
@@ -161,7 +165,7 @@ class Response:
             if c.done:
                 return b"".join(parts)
             if c.closed:
-                raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
+                raise UpstreamError("closed", "upstream closed the connection mid-answer")
             await c.wait(timeout)
 
     async def iter_chunks(self, timeout: float | None = None) -> AsyncIterator[bytes]:
@@ -178,7 +182,7 @@ class Response:
             if c.done:
                 return
             if c.closed:
-                raise UpstreamHTTPError("closed", "upstream closed the connection mid-answer")
+                raise UpstreamError("closed", "upstream closed the connection mid-answer")
             await c.wait(timeout)
 
     @property
@@ -234,9 +238,9 @@ class HttpPool:
             _, c = await asyncio.wait_for(
                 self.loop.create_connection(lambda: _Conn(self), self.host, self.port), self.connect_timeout)
         except asyncio.TimeoutError:
-            raise UpstreamHTTPError("connect", f"connect to {self.host}:{self.port} timed out") from None
+            raise UpstreamError("connect", f"connect to {self.host}:{self.port} timed out") from None
         except OSError as e:
-            raise UpstreamHTTPError("connect", f"cannot connect to {self.host}:{self.port}: "
+            raise UpstreamError("connect", f"cannot connect to {self.host}:{self.port}: "
                                                f"{e.strerror or type(e).__name__}") from None
         return c
 
@@ -264,9 +268,9 @@ class HttpPool:
             try:
                 while c.status is None:
                     if c.closed:
-                        raise UpstreamHTTPError("closed", "upstream closed the connection before answering")
+                        raise UpstreamError("closed", "upstream closed the connection before answering")
                     await c.wait(timeout)
-            except UpstreamHTTPError as e:
+            except UpstreamError as e:
                 c.closed = True
                 c.transport.close()
                 # a kept-alive connection the server had already closed: resend once on a fresh one

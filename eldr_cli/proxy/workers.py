@@ -40,9 +40,9 @@ class Worker:
     def pool(self) -> HttpPool:
         """The worker's connection pool; a worker already closed (removed and drained) cannot connect."""
         if self.session is None:
-            from eldr_cli.proxy.upstream import UpstreamHTTPError
+            from eldr_cli.proxy.upstream import UpstreamError
 
-            raise UpstreamHTTPError("connect", f"{self.role} worker {self.id} ({self.url}) is closed")
+            raise UpstreamError("connect", f"{self.role} worker {self.id} ({self.url}) is closed")
         return self.session
 
     def load(self, use_scraped: bool = False) -> int:

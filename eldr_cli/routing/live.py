@@ -44,7 +44,7 @@ from eldr_cli.costmodel import step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.live_set import ActivationSource, LiveEntry, LiveSet, PrefillPredictor
 from eldr_cli.routing.model import RoutingModel
-from eldr_cli.routing.policies import Policy, Ranking
+from eldr_cli.routing.policies import Policy, Ranking, rerank
 
 # Without a cost model: the shape of the paper's Fig. 2 (MI300X, Qwen3-30B-A3B, batch 64: 16 -> 128
 # active experts raise a layer's latency 4.7x; batch barely moves it), in units of one expert's read.
@@ -125,23 +125,19 @@ class EldrLivePolicy(Policy):
         T = Tb * (B > 0)  # an idle decoder runs no step
         T1 = step_ms_from_terms(self.terms, active + q @ a_new, B + 1, C + c_new)
         cost = T1 + B * (T1 - T)
-        lo = min(ld)
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
-        cap = lo + slack
-        cl = cost.tolist()
-        seq = self.live.last_add
-        cand = [k for k in range(len(ld)) if ld[k] <= cap]
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
         tie = COST_TIE if sum(ld) < LOW_LOAD_MEAN * len(ld) else 1e-9
-        least = min(cl[k] for k in cand)
-        best = least * (1 + tie)
-        w = min((k for k in cand if cl[k] <= best), key=lambda k: (ld[k], seq[k]))
+        # the one rule (policies.rerank), tie order: the decoder sent a request longest ago first (then index)
+        order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
+        w = rerank(cost.tolist(), ld, slack, tie, order)
         # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
         # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
         # Redis's exact counts)
         growth = T1 - Tb + self.terms[2]
-        return Ranking(w, slack=slack, predicted_ms=cost, detail=detail, growth_ms=growth, tie=tie)
+        return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=cost, detail=detail, growth_ms=growth,
+                       tie=tie)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

@@ -4,10 +4,10 @@ they hold a router built by :func:`eldr_cli.routing.router.make_router`.
 
 - :func:`locality_band` is the pure ELDR decision over (signature, centroids, loads, tau);
 - every policy implements ``rank(loads, signature, domain, tokens) -> Ranking``: a value holding its first
-  choice, the candidates in order of preference, their predicted costs, the load cap (slack) it allows and
-  what it needs back at dispatch; nothing is read back from a policy's attributes. Stateful policies follow
-  each request's life through ``on_dispatch`` / ``on_finish`` and share their state across replicas through
-  ``export_state`` / ``merge_state``.
+  choice, the candidates in the tie order of :func:`rerank` (the one re-ranking rule), their predicted costs,
+  the load cap (slack) it allows and what it needs back at dispatch; nothing is read back from a policy's
+  attributes. Stateful policies follow each request's life through ``on_dispatch`` / ``on_finish`` and share
+  their state across replicas through ``export_state`` / ``merge_state``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,35 @@ def locality_band(signature: np.ndarray, centroids: np.ndarray, loads: Sequence[
     return BandDecision(int(worker), sims, band)
 
 
+def rerank(cost: Sequence[float], loads: Sequence[int], slack: int, tie: float, order: Sequence[int]) -> int:
+    """The one re-ranking rule: eldr-live's choice and the replicas' reservation (its Lua script in
+    :mod:`eldr_cli.proxy.replicas.reserve`, which is checked against this function) both follow it.
+
+    Among ``order`` (candidate worker indices, in the rule's tie order), those whose load is within ``slack`` of the
+    least load among them; of these, those whose ``cost`` is within ``tie`` (a fraction) of the least cost; of
+    these, the fewest in flight, then the first in ``order``. ``cost`` and ``loads`` are indexed by worker. A rule
+    without costs (the band, JSQ) is this one with each candidate's position in ``order`` as its cost and
+    ``tie`` 0: the first in order within the slack.
+    """
+    least = min(loads[k] for k in order)
+    within = [k for k in order if loads[k] <= least + slack]
+    lo = min(cost[k] for k in within)
+    lim = lo * (1 + tie) if lo >= 0 else lo * (1 - tie)  # the same float operations in Lua (IEEE doubles)
+    best = -1
+    for k in within:
+        if cost[k] <= lim and (best < 0 or loads[k] < loads[best]):
+            best = k
+    return best
+
+
 @dataclass(frozen=True, slots=True)
 class Ranking:
     """What a policy answers for one request: its first choice and how it ranks the others.
 
     ``slack``: the load cap over the least loaded that the replicas' reservation may allow (None: the policy
-    does not reserve; its choice stands); ``candidates``: the workers the reservation may choose among, in order
-    of preference (None: every worker, by ``predicted_ms`` within the cap, then the rest); ``detail``: what the
-    policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens);
+    does not reserve; its choice stands); ``candidates``: the workers the reservation may choose among, in the
+    tie order of :func:`rerank` (None: every worker, by ``predicted_ms`` within the cap, then the rest);
+    ``detail``: what the policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens);
     ``growth_ms`` (with ``predicted_ms``): how much each worker's predicted cost grows per request in flight
     there that the decision's loads left out, so that the reservation can redo the decision on Redis's exact
     counts (``predicted_ms + (exact - seen) * growth_ms``, ties within ``tie`` to fewer in flight).
@@ -69,6 +90,23 @@ class Ranking:
     detail: Any = None
     growth_ms: np.ndarray | None = None  # [K] predicted cost's growth per request the decision did not see
     tie: float = 0.0                     # costs within this fraction of the least are ties (fewer in flight wins)
+
+    def rerank(self, loads: Sequence[int], seen: Sequence[int] | None = None,
+               candidates: Sequence[int] | None = None) -> int:
+        """The worker :func:`rerank` picks on the in-flight counts ``loads`` (the reservation's exact counts) among
+        ``candidates`` (default: :meth:`preference` of the first choice on ``seen``), each predicted cost corrected
+        by its growth per request that ``seen`` (the decision's loads; default ``loads``) left out; without
+        costs, by position in the order. What the reservation's Lua script computes in Redis."""
+        seen = loads if seen is None else seen
+        order = list(self.preference(self.first, seen) if candidates is None else candidates)
+        if self.predicted_ms is None or self.growth_ms is None:
+            cost = [0.0] * len(loads)
+            for j, k in enumerate(order):
+                cost[k] = float(j)
+            return rerank(cost, loads, self.slack or 0, 0.0, order)
+        c, g = self.predicted_ms.tolist(), self.growth_ms.tolist()
+        adj = [c[k] + (loads[k] - seen[k]) * g[k] for k in range(len(loads))]
+        return rerank(adj, loads, self.slack or 0, self.tie, order)
 
     def preference(self, worker: int, loads: Sequence[int]) -> list[int]:
         """The reservation's candidates in order of preference when the decision is ``worker`` (the first

@@ -51,11 +51,12 @@ SignatureFn = Callable[[Any, Any], Any]  # (counts, key) -> the signature (or th
 
 
 class Offer(NamedTuple):
-    """The replicas' reservation's choice for one decision: ``order`` (worker indices, in order of preference)
-    and ``slack`` (the load cap over the least reserved, on Redis's exact counts); with a cost-aware policy,
-    each candidate's predicted cost and its growth per request the decision's loads left out (in ``order``),
-    and the tie fraction: then Redis takes the least ``cost + (exact - seen) * growth`` within the cap, which
-    is the policy's own rule redone on exact counts; without them, the first in order within the cap."""
+    """The replicas' reservation's choice for one decision: ``order`` (worker indices, in the tie order of
+    :func:`eldr_cli.routing.policies.rerank`) and ``slack`` (the load cap over the least reserved, on Redis's
+    exact counts); with a cost-aware policy, each candidate's predicted cost and its growth per request the
+    decision's loads left out (in ``order``), and the tie fraction: then Redis takes the least ``cost + (exact -
+    seen) * growth`` within the cap, which is the policy's own rule (``rerank``) redone on exact counts; without
+    them, the first in order within the cap."""
 
     order: list[int]
     slack: int

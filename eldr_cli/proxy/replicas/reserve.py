@@ -4,9 +4,11 @@ Replicas that read the same stale loads pick the same "least loaded" decoder: wi
 one port and bursts of arrivals, the in-flight spread across decoders measured 3.5x that of one proxy
 (``benchmarks/bench_state.py``). So after the policy has decided locally, a replica asks Redis, in one
 round trip (a Lua script, atomic), to pick the candidate with the fewest reserved slots over all
-replicas and to reserve it (a policy with a slack: among the candidates whose slots are within the slack
-of the least, the first in the policy's order, or, with costs (eldr-live), the least predicted cost
-corrected by its growth for each slot the decision's loads did not see); the slot is released when
+replicas and to reserve it by the one re-ranking rule eldr-live decides with
+(:func:`eldr_cli.routing.policies.rerank`, the candidates in its tie order: among those whose slots are
+within the slack of the least, the least predicted cost corrected by its growth for each slot the decision's
+loads did not see, ties to the fewest slots, then the first in order; a policy without costs: the first in
+order within the slack; a test checks the script against the function); the slot is released when
 the decode leg ends. If Redis has not answered within the deadline (``--state-reserve-ms``, default
 50), the local decision stands, and the late answer's slot is moved to the worker actually used (so the
 counts in Redis stay complete).
@@ -14,7 +16,7 @@ counts in Redis stay complete).
 The load cap is the policy's (``Ranking.slack``; eldr-live: ``max(2, ceil(0.25 x mean))``), enforced here on
 Redis's exact counts. The reservation counts in Redis are not signed (Lua cannot check a tag without the key),
 so they only choose *among* candidates the replica picked from signed data: the policy's candidates (ELDR: the
-locality band; eldr-live: every decoder in its order of preference; JSQ: the healthy pool), narrowed to the
+locality band; eldr-live: every decoder in its tie order; JSQ: the healthy pool), narrowed to the
 workers whose signed load is within the policy's slack plus ``TRUST_MARGIN`` of the least loaded; the
 decision's own worker always stays a candidate (a margin must never drop the policy's own choice).
 Forged reservations can therefore move a choice only inside that set. And the script reads only the
@@ -37,8 +39,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.proxy.workers import WorkerPool
     from eldr_cli.routing import Decision
+    from eldr_cli.routing.router import Offer
 
 log = logging.getLogger("eldr.proxy.state")
 
@@ -46,7 +49,8 @@ TRUST_MARGIN = 4  # candidates: signed load <= least signed load + the policy's 
 MAX_IN_FLIGHT = 1024  # a replica's reserved slots on one worker (its connection cap): more is forged
 RESULTS = ("ok", "timeout", "error", "skipped", "departed")  # departed: the answer named a worker that left
 
-_SELECT = """
+# the one re-ranking rule in Redis: checked against eldr_cli.routing.policies.rerank (tests/test_rerank_rule.py)
+SELECT = """
 local slack = tonumber(ARGV[2]) or 0
 local nrep, ncand, maxv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local r0, c0 = 6, 6 + nrep
@@ -75,24 +79,22 @@ for j = 1, ncand do
   if least == nil or n < least then least = n end
 end
 local e0 = o0 + ncand
+-- the one re-ranking rule (eldr_cli.routing.policies.rerank, checked against this script): among the candidates
+-- within the slack of the least, the least cost + (exact - seen) * growth, costs within tie of it are ties, then
+-- the fewest slots, then the first in order (a rule without costs: cost = position in order, tie 0)
+local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
+for j = 1, ncand do
+  if load[j] <= least + slack then
+    local c, g, s = tonumber(ARGV[e0 + j]), tonumber(ARGV[e0 + ncand + j]), tonumber(ARGV[e0 + 2 * ncand + j])
+    adj[j] = c + (load[j] - s) * g
+    if lo == nil or adj[j] < lo then lo = adj[j] end
+  end
+end
+local lim
+if lo >= 0 then lim = lo * (1 + tie) else lim = lo * (1 - tie) end
 local best = nil
-if #ARGV > e0 then  -- the policy's own rule on the exact counts: least cost + (exact - seen) * growth
-  local tie, adj, lo = tonumber(ARGV[e0]), {}, nil
-  for j = 1, ncand do
-    if load[j] <= least + slack then
-      local c, g, s = tonumber(ARGV[e0 + j]), tonumber(ARGV[e0 + ncand + j]), tonumber(ARGV[e0 + 2 * ncand + j])
-      adj[j] = c + (load[j] - s) * g
-      if lo == nil or adj[j] < lo then lo = adj[j] end
-    end
-  end
-  local lim = lo + math.abs(lo) * tie
-  for j = 1, ncand do
-    if adj[j] and adj[j] <= lim and (best == nil or load[j] < load[best]) then best = j end
-  end
-else  -- the first in the policy's order within the slack of the least
-  for j = 1, ncand do
-    if load[j] <= least + slack then best = j break end
-  end
+for j = 1, ncand do
+  if adj[j] and adj[j] <= lim and (best == nil or load[j] < load[best]) then best = j end
 end
 local own = ARGV[1] .. '|' .. ARGV[c0 + best - 1]
 local x = tonumber(redis.call('HGET', KEYS[1], own) or '0')
@@ -129,13 +131,31 @@ return n
 
 
 class Costs(NamedTuple):
-    """A cost-aware policy's rule for the reservation, per candidate: predicted cost, its growth per slot the
-    decision's loads left out, those loads (``seen``); ``tie``: costs within this fraction are ties."""
+    """The rule's inputs for the reservation, per candidate: predicted cost, its growth per slot the decision's
+    loads left out, those loads (``seen``); ``tie``: costs within this fraction are ties (see
+    :func:`eldr_cli.routing.policies.rerank`). A rule without costs: :meth:`in_order`."""
 
     cost: list[float]
     growth: list[float]
     seen: list[int]
     tie: float
+
+    @classmethod
+    def in_order(cls, n: int) -> Costs:
+        """The rule without costs over ``n`` candidates: each one's position is its cost (the first in order
+        within the slack)."""
+        return cls([float(j) for j in range(n)], [0.0] * n, [0] * n, 0.0)
+
+
+def select_args(replica_id: str, slack: int, reps: Sequence[str], cands: Sequence[str], caps: Sequence[int],
+                own: Sequence[int], costs: Costs | None = None) -> list[Any]:
+    """The select script's ARGV: this replica, the slack, the peers ``reps`` whose fields count, the candidate
+    worker keys (in the rule's tie order), each peer's cap per candidate (peer-major), this replica's own cap per
+    candidate, then the rule's ``costs`` (default :meth:`Costs.in_order`) as exact decimal text."""
+    costs = Costs.in_order(len(cands)) if costs is None else costs
+    return [replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps, *own,
+            repr(float(costs.tie)), *map(repr, map(float, costs.cost)), *map(repr, map(float, costs.growth)),
+            *map(int, costs.seen)]
 
 
 @dataclass
@@ -156,7 +176,7 @@ class Reserver:
         self._peers = peers  # the other replicas whose signed state verified: {replica: {worker key: in-flight}}
         self._on_ignored = on_ignored  # called with the number of fields outside 0..MAX_IN_FLIGHT seen
         self._redis = redis
-        self._select = redis.register_script(_SELECT)
+        self._select = redis.register_script(SELECT)
         self._release = redis.register_script(_RELEASE)
         self._cleanup = redis.register_script(_CLEANUP)
         self._move = redis.register_script(_MOVE)
@@ -169,21 +189,17 @@ class Reserver:
 
     async def choose(self, cands: Sequence[str], slack: int = 0,
                      costs: Costs | None = None) -> tuple[int | None, asyncio.Task[Any] | None]:
-        """(index into ``cands`` of the reserved worker, None) in time: among the candidates whose slots over all
-        replicas are within ``slack`` of the least, the first (0: the least reserved, ties in order), or with
-        ``costs`` the least ``cost + (slots - seen) * growth`` (ties within ``tie`` to fewer slots); (None, the
-        pending reservation) when Redis is late (hand it to :meth:`late_slot` with the worker used instead);
-        (None, None) on errors."""
+        """(index into ``cands`` of the reserved worker, None) in time: :func:`eldr_cli.routing.policies.rerank` on
+        the slots over all replicas, ``cands`` in its tie order, with ``costs`` (default :meth:`Costs.in_order`:
+        the first within ``slack`` of the least); (None, the pending reservation) when Redis is late (hand it to
+        :meth:`late_slot` with the worker used instead); (None, None) on errors."""
         peers = self._peers()
         reps = sorted(peers)  # another replica's slots on a worker count up to its signed in-flight + TRUST_MARGIN
         caps = [peers[r].get(k, 0) + TRUST_MARGIN for r in reps for k in cands]
         self._pending += 1
         own = [self.held.get(k, 0) + self._pending for k in cands]
-        extra = [] if costs is None else [repr(float(costs.tie)), *map(repr, costs.cost), *map(repr, costs.growth),
-                                          *costs.seen]
         task = asyncio.get_running_loop().create_task(self._select(
-            keys=[self.key], args=[self.replica_id, slack, len(reps), len(cands), MAX_IN_FLIGHT, *reps, *cands, *caps,
-                                   *own, *extra]))
+            keys=[self.key], args=select_args(self.replica_id, slack, reps, cands, caps, own, costs)))
         task.add_done_callback(lambda t: self._landed(t, cands))
         done, _ = await asyncio.wait({task}, timeout=self.deadline_s)
         if not done:
@@ -268,23 +284,20 @@ class Reserver:
             pass
 
 
-async def reserve_decode(state: ProxyState, choice: Decision,
-                         loads: Sequence[int] | None = None) -> tuple[Decision, Slot | None]:
-    """The decision to follow after the router chose ``choice``, and its reserved slot (None when nothing
-    was reserved: a policy that does not reserve, reservation off, Redis down). ``loads``: those the decision
-    was made on (the proxy passes them: read now, they would hold the request itself on ``choice.worker`` and
-    widen the candidates by one)."""
-    sh = state.shared
-    rv = sh.reserver
+async def reserve_decode(reserver: Reserver | None, offer: Offer | None, pool: WorkerPool, choice: Decision,
+                         loads: Sequence[int], scrape_metrics: bool = False) -> tuple[Decision, Slot | None]:
+    """The decision to follow after the router chose ``choice`` on ``loads`` (those the decision was made on: read
+    now, they would hold the request itself on ``choice.worker`` and widen the candidates by one), and its reserved
+    slot (None when nothing was reserved: no ``reserver`` (reservation off), no ``offer`` (a policy that does not
+    reserve, or Redis out: counted as skipped), Redis down). ``pool``: the decode workers (their health, and the
+    pool of now once the round trip is over); ``scrape_metrics``: a local decision reads the scraped loads."""
+    rv = reserver
     if rv is None:
         return choice, None
-    if loads is None:
-        loads = state.decode.loads(state.cfg.scrape_metrics)
-    offer = None if sh.in_outage else state.router.reservation(choice, loads)
     if offer is None:
         rv.results["skipped"] += 1
         return choice, None
-    workers = state.decode.workers
+    workers = pool.workers
     slack = offer.slack
     band = [j for j, k in enumerate(offer.order) if workers[k].healthy]
     if not band:
@@ -298,12 +311,12 @@ async def reserve_decode(state: ProxyState, choice: Decision,
         offer.tie)
     mine = workers[choice.worker]
     i, late = await rv.choose(keys, slack, costs)
-    cur = state.decode.workers  # the round trip took time: the pool and the loads may have changed
+    cur = pool.workers  # the round trip took time: the pool and the loads may have changed
     if i is not None and cands[i] in cur:
         return dataclasses.replace(choice, worker=cur.index(cands[i])), Slot(keys[i])
     if late is not None:  # decide locally now, on the loads of now (not those before the wait)
         up = [w for w in cands if w in cur] or [w for w in cur if w.healthy] or cur
-        w = min(up, key=lambda w: w.load(state.cfg.scrape_metrics))
+        w = min(up, key=lambda w: w.load(scrape_metrics))
         return dataclasses.replace(choice, worker=cur.index(w)), rv.late_slot(late, keys, f"{w.role}|{w.url}")
     if i is not None:  # the answer names a worker that left the pool meanwhile: its slot back, decided locally
         rv.results["ok"] -= 1
@@ -312,4 +325,4 @@ async def reserve_decode(state: ProxyState, choice: Decision,
     if mine in cur:  # the local decision, on the pool of now (positions shift when a worker leaves)
         return dataclasses.replace(choice, worker=cur.index(mine)), None
     up = [w for w in cur if w.healthy] or cur
-    return dataclasses.replace(choice, worker=cur.index(min(up, key=lambda w: w.load(state.cfg.scrape_metrics)))), None
+    return dataclasses.replace(choice, worker=cur.index(min(up, key=lambda w: w.load(scrape_metrics)))), None

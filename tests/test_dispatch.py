@@ -1,0 +1,102 @@
+"""The hand-off as one object (issue 36): a Dispatcher built from explicit parts, without a proxy app around it,
+decides, holds, records and releases; its DecisionRecord's row is the decision log's row and matches the row's
+versioned schema, which `eldr report --decision-log` checks on reading."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from eldr_cli.artifacts.schema import load_schema
+from eldr_cli.errors import EldrError
+from eldr_cli.handoff import SIGNATURE_KEY, encode_counts
+from eldr_cli.proxy.base import ProxyState
+from eldr_cli.proxy.config import ProxyConfig
+from eldr_cli.proxy.decisionlog import ROW_SCHEMA, DecisionLog
+from eldr_cli.proxy.dispatch import DecisionRecord, Dispatcher, Recorder
+from eldr_cli.proxy.metrics import ProxyMetrics
+from eldr_cli.proxy.replicas.shared import LocalState
+from eldr_cli.proxy.request import RequestContext
+from eldr_cli.proxy.workers import WorkerPool
+from eldr_cli.routing import make_router
+
+DECODE = ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"]
+
+
+def _metrics() -> ProxyMetrics:
+    cfg = ProxyConfig(prefill=["http://127.0.0.1:9000"], decode=DECODE, policy="jsq").validate()
+    return ProxyMetrics(ProxyState(cfg))
+
+
+def _parts(tmp_path, policy="jsq"):
+    pool = WorkerPool("decode", DECODE)
+    log = DecisionLog(str(tmp_path / "d.jsonl"))
+    disp = Dispatcher(make_router(policy, len(pool)), pool, LocalState(), Recorder(_metrics(), log), tau=0.5)
+    return disp, pool, log
+
+
+def test_a_dispatcher_from_its_parts_decides_holds_records_and_releases(tmp_path):
+    disp, pool, log = _parts(tmp_path)
+    pool.workers[0].inflight = 2  # JSQ: the least loaded of (2, 0, 0) is worker 1
+    ctx = RequestContext(rid="r1", endpoint="completions", domain="law")
+    h = disp.handoff(ctx.t0, {"usage": {"prompt_tokens": 10}}, {"max_tokens": 4}, {"other": 1})
+    assert (h.signature, h.tokens, h.counts) == ("missing", 12, None)
+    rec = asyncio.run(disp.dispatch(ctx, h))
+    assert isinstance(rec, DecisionRecord)
+    assert (rec.decision.worker, rec.worker, rec.first, rec.loads) == (1, pool.workers[1].id, pool.workers[1].id,
+                                                                       (2, 0, 0))
+    assert ctx.held is pool.workers[1] and pool.loads() == [2, 1, 0] and ctx.policy == "jsq"
+    with pytest.raises(AttributeError):  # frozen
+        rec.worker = "x"  # type: ignore[misc]
+    # a connect failure on worker 1: the same router decides again among the others, and the hold moves
+    again = disp.retry(ctx, h, {pool.workers[1].id})
+    assert again is not None and again.worker == 2 and pool.loads() == [2, 0, 1]
+    assert disp.retry(ctx, h, {pool.workers[1].id, pool.workers[2].id}) is None  # two tried: no third
+    disp.release(ctx)
+    disp.release(ctx)  # once only
+    assert pool.loads() == [2, 0, 0] and ctx.held is None
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert rows == [json.loads(json.dumps(rec.row()))]
+    assert rows[0]["tau"] == 0.5 and rows[0]["domain"] == "law" and rows[0]["signature"] == "missing"
+
+
+def test_the_row_matches_its_schema_with_and_without_replay_fields(tmp_path):
+    import numpy as np
+
+    disp, pool, log = _parts(tmp_path)
+    v = jsonschema.Draft202012Validator(load_schema(ROW_SCHEMA))
+    counts = np.arange(8, dtype=np.int64).reshape(2, 4)
+    for replay in (False, True):
+        log.replay = replay
+        ctx = RequestContext(rid=f"r{replay}", endpoint="chat")
+        h = disp.handoff(ctx.t0, {"usage": {"prompt_tokens": 3}}, {}, {SIGNATURE_KEY: encode_counts(counts)})
+        row = asyncio.run(disp.dispatch(ctx, h)).row()
+        disp.release(ctx)
+        assert ("log_v" in row) is replay and ("sig" in row) is replay
+        v.validate(json.loads(json.dumps(row)))
+        with pytest.raises(jsonschema.ValidationError):
+            v.validate({**json.loads(json.dumps(row)), "chosen": "d0"})
+    log.close()
+
+
+def test_a_row_that_does_not_match_the_schema_is_refused_naming_its_line_and_field(tmp_path):
+    from eldr_cli.pipeline.decision_replay import read_rows
+
+    disp, _, log = _parts(tmp_path)
+    for i in range(3):
+        ctx = RequestContext(rid=f"r{i}", endpoint="chat")
+        asyncio.run(disp.dispatch(ctx, disp.handoff(ctx.t0, {}, {}, None)))
+        disp.release(ctx)
+    log.close()
+    path = tmp_path / "d.jsonl"
+    assert len(read_rows(path)) == 3
+    lines = path.read_text().splitlines()
+    bad = json.loads(lines[1])
+    bad["loads"] = [0, -1, 0]
+    path.write_text("\n".join([lines[0], json.dumps(bad), lines[2]]) + "\n")
+    with pytest.raises(EldrError, match=r"line 2 does not match decision-log\.v2\.schema\.json at loads/1"):
+        read_rows(path)
