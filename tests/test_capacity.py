@@ -14,11 +14,9 @@ from eldr_cli.pipeline.capacity import (
     Capacity,
     check_slo_values,
     find_capacity,
-    mean_ci,
-    paired_diff_ci,
-    paired_pct_ci,
 )
 from eldr_cli.pipeline.capacity_verdict import build_verdict, fmt_change, verdict_text
+from eldr_cli.stats import mean_ci, paired_diff_ci, paired_pct_ci
 
 
 def test_paired_difference_interval_by_hand():

@@ -15,11 +15,9 @@ from eldr_cli.pipeline.capacity import (
     ORACLE,
     SLO,
     TOLERANCE,
-    Interval,
     is_candidate,
-    mean_ci,
-    paired_pct_ci,
 )
+from eldr_cli.stats import Interval, mean_ci, paired_pct_ci
 
 LEGACY_LOAD_PCT = 75  # today's four verdict keys are computed at this load point
 DEPLOYMENT_KEYS = ("gpus_per_instance", "tp", "ep", "dtype", "kv_capacity_tokens")

@@ -221,9 +221,9 @@ def at_logged_load(trace: Path, fit, cost_model, out: Path, arr: dict) -> dict:
     from eldr_cli.artifacts.trace import read_trace
     from eldr_cli.bench.workload import ScaledArrivals
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.pipeline.capacity import mean_ci, paired_pct_ci
     from eldr_cli.pipeline.capacity_study import measure
     from eldr_cli.pipeline.report import _setup
+    from eldr_cli.stats import mean_ci, paired_pct_ci
 
     if cost_model is None:
         return {"note": "give --cost-model to simulate every router at the logged load"}
