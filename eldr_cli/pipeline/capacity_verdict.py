@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
 from eldr_cli.pipeline.capacity import (
     CI_METHOD,
     CLAIRVOYANT,
@@ -20,7 +21,6 @@ from eldr_cli.pipeline.capacity import (
 from eldr_cli.stats import Interval, mean_ci, paired_pct_ci
 
 LEGACY_LOAD_PCT = 75  # today's four verdict keys are computed at this load point
-DEPLOYMENT_KEYS = ("gpus_per_instance", "tp", "ep", "dtype", "kv_capacity_tokens")
 BY_LOAD_KEYS = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms")
 
 

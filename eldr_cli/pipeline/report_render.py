@@ -10,8 +10,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
 from eldr_cli.pipeline.capacity import LOAD_BALANCERS
-from eldr_cli.pipeline.capacity_verdict import DEPLOYMENT_KEYS, fmt_change, fmt_value
+from eldr_cli.pipeline.capacity_verdict import fmt_change, fmt_value
 from eldr_cli.stats import Interval
 
 EVIDENCE = [("Signature quality: rho per transform, greedy layer curve, N*", ("fig7", "fig8")),
