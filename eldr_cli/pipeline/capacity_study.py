@@ -20,7 +20,7 @@ from eldr_cli.errors import EldrError
 from eldr_cli.pipeline.capacity import LOAD_BALANCERS, SLO, Capacity, find_capacity
 
 if TYPE_CHECKING:
-    from eldr_cli.bench.replay import TraceReplay
+    from eldr_cli.simulator.replay import TraceReplay
 
 LOAD_POINTS_PCT = (10, 25, 50, 75, 100)  # % of the best load balancer's capacity
 MIN_REQUESTS = 300

@@ -122,12 +122,12 @@ def _cost_label(cost_model) -> str:
 def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int, max_tokens: int,
            duration_s: float, seed: int, slo_tpot_ms, slo_ttft_ms, prefill: int | None, notes: list[str]):
     """The shared inputs of every run, the SLO and the prefill pool (sized so TTFT does not bind)."""
-    from eldr_cli.bench.replay import TraceReplay
     from eldr_cli.pipeline.capacity import decode_rate_bound, default_prefill, default_slo, typical_steps_ms
     from eldr_cli.pipeline.capacity_study import SimSetup
     from eldr_cli.pipeline.simulate import check_compatible, check_cost_model, trace_items
     from eldr_cli.routing import RoutingModel
     from eldr_cli.routing.oracle import fit_oracle
+    from eldr_cli.simulator.replay import TraceReplay
 
     replay = TraceReplay(tr, cost)
     model = RoutingModel.load(routing)
