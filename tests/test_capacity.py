@@ -9,13 +9,13 @@ import pytest
 
 from eldr_cli.bench.workload import ScaledArrivals
 from eldr_cli.errors import EldrError
-from eldr_cli.pipeline.capacity import (
+from eldr_cli.report.capacity import (
     SLO,
     Capacity,
     check_slo_values,
     find_capacity,
 )
-from eldr_cli.pipeline.capacity_verdict import build_verdict, fmt_change, verdict_text
+from eldr_cli.report.verdict import build_verdict, fmt_change, verdict_text
 from eldr_cli.stats import mean_ci, paired_diff_ci, paired_pct_ci
 
 
@@ -134,8 +134,8 @@ def test_verdict_words_when_the_slo_is_out_of_reach_or_too_loose():
 def test_a_defaulted_prefill_pool_that_lets_ttft_bind_is_resized_and_the_search_redone(monkeypatch):
     from types import SimpleNamespace
 
-    import eldr_cli.pipeline.capacity_study as cs
-    from eldr_cli.pipeline.report import _study
+    import eldr_cli.report.study as cs
+    from eldr_cli.report.run import _study
 
     calls = []
 
@@ -194,7 +194,7 @@ def test_each_load_point_compares_against_its_own_lowest_tpot_balancer():
                                         ((-2.9, [-6.0, 0.4]), "no measurable difference, so eldr-live"),
                                         ((3.0, [1.0, 5.0]), "eldr-live carries measurably more than eldr")])
 def test_decision_gives_the_paired_live_minus_eldr_interval_and_its_reason(diff, says):
-    from eldr_cli.pipeline.report_render import decision
+    from eldr_cli.report.render import decision
 
     iv = {"mean": 19.2, "ci95": [15.1, 23.4]}
     v = {"status": "ok", "best_load_balancer": "jsq", "capacity_rps": {"jsq": iv, "eldr": iv, "eldr-live": iv},

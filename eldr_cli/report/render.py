@@ -11,8 +11,8 @@ import html
 from dataclasses import dataclass, field
 
 from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
-from eldr_cli.pipeline.capacity import LOAD_BALANCERS
-from eldr_cli.pipeline.capacity_verdict import fmt_change, fmt_value
+from eldr_cli.report.capacity import LOAD_BALANCERS
+from eldr_cli.report.verdict import fmt_change, fmt_value
 from eldr_cli.stats import Interval
 
 EVIDENCE = [("Signature quality: rho per transform, greedy layer curve, N*", ("fig7", "fig8")),
@@ -45,7 +45,7 @@ def _num(x, digits: int = 3) -> str:
 def headline(doc: dict) -> list[tuple[str, str, str]]:
     """The headline card: (label, big figure, small print) for capacity gain, decode instances saved, TPOT
     p50 and p99 change at 75% load. Figures are "no measurable difference" when the interval spans 0."""
-    from eldr_cli.pipeline.capacity_verdict import LEGACY_LOAD_PCT, headline_router
+    from eldr_cli.report.verdict import LEGACY_LOAD_PCT, headline_router
 
     v = doc["verdict"]
     r = headline_router(list(v["capacity_rps"]))
@@ -75,7 +75,7 @@ def vs(t: tuple[str, str, str], at: dict) -> tuple[str, str, str]:
 
 def decision(doc: dict) -> str:
     """One word on what to do, ahead of the verdict's paragraph."""
-    from eldr_cli.pipeline.capacity_verdict import headline_router
+    from eldr_cli.report.verdict import headline_router
 
     v = doc["verdict"]
     r = headline_router(list(v["capacity_rps"]))

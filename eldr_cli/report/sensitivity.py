@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from eldr_cli.pipeline.capacity import SLO, find_capacity
-from eldr_cli.pipeline.capacity_verdict import _iv, capacity_gain, fmt_change
+from eldr_cli.report.capacity import SLO, find_capacity
+from eldr_cli.report.verdict import _iv, capacity_gain, fmt_change
 
 SCALES = ((0.75, 1.0), (1.25, 1.0), (1.0, 0.75), (1.0, 1.25))  # (per-expert, fixed)
 
@@ -42,7 +42,7 @@ def sensitivity(setup, study: dict, slo: SLO, seeds: list[int], start: float, ro
 
 
 def _check(setup, arrivals, slo: SLO, router: str, seed: int) -> Callable[[float], tuple[bool, str | None]]:
-    from eldr_cli.pipeline.capacity_study import measure
+    from eldr_cli.report.study import measure
 
     return lambda rate: slo.check(measure(setup, arrivals, router, rate, seed))
 
@@ -51,7 +51,7 @@ def sensitivity_text(rows: list[dict]) -> str:
     """One sentence: the headline gain at each moved cost."""
     if len(rows) < 2:
         return ""
-    from eldr_cli.pipeline.capacity_verdict import _from_json
+    from eldr_cli.report.verdict import _from_json
 
     def say(r: dict) -> str:
         what = (f"per-expert cost x{r['per_expert_scale']:g}" if r["per_expert_scale"] != 1.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
-from eldr_cli.pipeline.capacity import (
+from eldr_cli.report.capacity import (
     CI_METHOD,
     CLAIRVOYANT,
     LIMITS,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from eldr_cli.errors import EldrError
-from eldr_cli.pipeline.capacity import LOAD_BALANCERS, SLO, Capacity, find_capacity
+from eldr_cli.report.capacity import LOAD_BALANCERS, SLO, Capacity, find_capacity
 
 if TYPE_CHECKING:
     from eldr_cli.simulator.replay import TraceReplay
