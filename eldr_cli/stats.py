@@ -44,6 +44,20 @@ class Interval:
 
         return {"mean": r(self.mean), "ci95": [r(self.lo), r(self.hi)]}
 
+    @classmethod
+    def from_json(cls, d: dict | None) -> Interval | None:
+        """The interval of a ``{"mean", "ci95"}`` pair as :meth:`as_json` writes it (``n`` is not kept: 0);
+        None when there is no mean."""
+        if not d or d.get("mean") is None:
+            return None
+        lo, hi = d.get("ci95") or (None, None)
+        return cls(float(d["mean"]), lo, hi, 0)
+
+
+def interval_json(x: Interval | None, digits: int = 3) -> dict:
+    """``x.as_json(digits)``, or the same shape with nulls when there is no interval."""
+    return x.as_json(digits) if x is not None else {"mean": None, "ci95": [None, None]}
+
 
 def mean_ci(values: Sequence[float | None]) -> Interval | None:
     """Mean and 95% Student-t interval of the finite ``values`` (None when there are none)."""

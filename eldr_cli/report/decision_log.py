@@ -59,35 +59,29 @@ def run_report_from_log(log, out, *, fit, seed: int = 0, **report_kw) -> dict:
 
 def at_logged_load(trace: Path, fit, cost_model, out: Path, arr: dict) -> dict:
     """Every router SIMULATED at the logged rate (the report's seeds, setup and SLO; arrivals of the logged
-    gaps' CV): TPOT/TTFT per router with 95% intervals and the paired TPOT change against the best load
-    balancer."""
+    gaps' CV, which the rebuilt trace carries): TPOT/TTFT per router with 95% intervals and the paired TPOT
+    change against the best load balancer."""
     from eldr_cli.artifacts.trace import read_trace
-    from eldr_cli.bench.workload import ScaledArrivals
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.report.run import _setup
-    from eldr_cli.report.study import measure
-    from eldr_cli.stats import mean_ci, paired_pct_ci
+    from eldr_cli.report.study import ReportPlan, build_setup, measure
+    from eldr_cli.stats import interval_json, mean_ci, paired_pct_ci
 
     if cost_model is None:
         return {"note": "give --cost-model to simulate every router at the logged load"}
     doc = json.loads((out / "report.json").read_text())
     sim, v = doc["simulated"], doc["verdict"]
-    setup, _, _, _ = _setup(trace, read_trace(trace), Path(fit), cost_model, CostModel.load(cost_model), sim["split"],
-                            sim["decode"], sim["max_tokens"], float(sim["min_window_s"]), sim["seeds"][0],
-                            v["slo"]["tpot_p90_ms"], v["slo"]["ttft_p90_ms"], sim["prefill"], [])
+    plan = ReportPlan(trace, read_trace(trace), Path(fit), Path(cost_model), CostModel.load(cost_model), sim["split"],
+                      sim["decode"], sim["max_tokens"], float(sim["min_window_s"]), tuple(sim["seeds"]),
+                      v["slo"]["tpot_p90_ms"], v["slo"]["ttft_p90_ms"], sim["prefill"])
+    setup, _, _, _ = build_setup(plan, [])
     rate, seeds = float(arr["rate_rps"]), list(sim["seeds"])
-    runs = {r: [measure(setup, ScaledArrivals(len(setup.items), seed=s, burstiness=arr["burstiness"]), r, rate, s)
-                for s in seeds] for r in sim["routers"]}
-
-    def iv(x) -> dict:
-        return x.as_json(3) if x is not None else {"mean": None, "ci95": [None, None]}
-
+    runs = {r: [measure(setup, setup.arrivals(s), r, rate, s) for s in seeds] for r in sim["routers"]}
     best = v["best_load_balancer"]
     keys = ("tpot_p50_ms", "tpot_p90_ms", "ttft_p90_ms")
     return {"label": "SIMULATED", "rate_rps": round(rate, 4), "seeds": seeds,
-            "by_router": {r: {k: iv(mean_ci(_vals(ms, k))) for k in keys} for r, ms in runs.items()},
-            "tpot_p50_change_vs_best_lb_pct": {r: iv(paired_pct_ci(_vals(ms, "tpot_p50_ms"),
-                                                                   _vals(runs[best], "tpot_p50_ms")))
+            "by_router": {r: {k: interval_json(mean_ci(_vals(ms, k))) for k in keys} for r, ms in runs.items()},
+            "tpot_p50_change_vs_best_lb_pct": {r: interval_json(paired_pct_ci(_vals(ms, "tpot_p50_ms"),
+                                                                              _vals(runs[best], "tpot_p50_ms")))
                                                for r, ms in runs.items() if r != best}}
 
 
@@ -99,7 +93,7 @@ def _vals(runs: list[dict], key: str) -> list[float]:
 def log_section(v: dict, rows: list[dict], skipped: dict[str, int], arr: dict, log) -> dict:
     """What the decision log adds to the verdict: the rows used and skipped, the logged arrival process and
     the logged load as a share of each router's mean capacity."""
-    from eldr_cli.report.capacity import LOAD_BALANCERS
+    from eldr_cli.routing import LOAD_BALANCERS
 
     caps = {r: c.get("mean") for r, c in (v.get("capacity_rps") or {}).items() if isinstance(c, dict)}
     lbs = [c for r, c in caps.items() if r in LOAD_BALANCERS and c]

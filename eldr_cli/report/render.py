@@ -11,8 +11,8 @@ import html
 from dataclasses import dataclass, field
 
 from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
-from eldr_cli.report.capacity import LOAD_BALANCERS
 from eldr_cli.report.verdict import fmt_change, fmt_value
+from eldr_cli.routing import LOAD_BALANCERS
 from eldr_cli.stats import Interval
 
 EVIDENCE = [("Signature quality: rho per transform, greedy layer curve, N*", ("fig7", "fig8")),
@@ -29,11 +29,7 @@ class Section:
     figures: list[str] = field(default_factory=list)
 
 
-def _iv(d: dict | None) -> Interval | None:
-    if not d or d.get("mean") is None:
-        return None
-    lo, hi = d.get("ci95") or (None, None)
-    return Interval(float(d["mean"]), lo, hi, 0)
+_iv = Interval.from_json  # a report.json {"mean", "ci95"} pair as an Interval (None without a mean)
 
 
 def _num(x, digits: int = 3) -> str:

@@ -12,12 +12,14 @@ import json
 import shutil
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from eldr_cli.errors import EldrError
-from eldr_cli.report.capacity import LOAD_BALANCERS
+from eldr_cli.report.study import ReportPlan, SimSetup
+from eldr_cli.routing import LOAD_BALANCERS
 from eldr_cli.routing.registry import check_policy
 
 DEFAULT_DEVICE = "H100-SXM"
@@ -119,43 +121,6 @@ def _cost_label(cost_model) -> str:
         f" ({cp.get('model')} on {cp.get('device')})" if cp.get("model") else f" ({cp.get('device')})")
 
 
-def _setup(trace, tr, routing: Path, cost_model, cost, split: str, n_decode: int, max_tokens: int,
-           duration_s: float, seed: int, slo_tpot_ms, slo_ttft_ms, prefill: int | None, notes: list[str]):
-    """The shared inputs of every run, the SLO and the prefill pool (sized so TTFT does not bind)."""
-    from eldr_cli.pipeline.simulate import check_compatible, check_cost_model, trace_items
-    from eldr_cli.report.capacity import decode_rate_bound, default_prefill, default_slo, typical_steps_ms
-    from eldr_cli.report.study import SimSetup
-    from eldr_cli.routing import RoutingModel
-    from eldr_cli.routing.oracle import fit_oracle
-    from eldr_cli.simulator.replay import TraceReplay
-
-    replay = TraceReplay(tr, cost)
-    model = RoutingModel.load(routing)
-    check_compatible(replay, model)
-    check_cost_model(replay, cost_model)
-    items, rows = trace_items(replay, split)
-    if not items:
-        raise EldrError(f"the trace has no {split!r} rows to serve")
-    slo = default_slo(replay, rows, max_tokens, slo_tpot_ms, slo_ttft_ms)
-    ctx = float(np.median(replay.prompt_tokens[rows])) + max_tokens / 2.0
-    bound = decode_rate_bound(replay, n_decode, max_tokens, slo.tpot_p90_ms, context=ctx)
-    _, prefill_ms = typical_steps_ms(replay, rows, max_tokens)
-    n_prefill = prefill or default_prefill(prefill_ms, bound, n_decode)
-    if prefill is None:
-        notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
-                     "decoders' estimated best rate under the TPOT target, at most 16 per decoder), so that TTFT "
-                     "does not limit capacity")
-    oracle = fit_oracle(tr.decode_counts, rows, n_decode, model=model, seed=seed, decode_steps=tr.decode_steps)
-    # warm-up: two request lifetimes at the TPOT target, so the decoders' batches reach steady state
-    # a request's lifetime at the TPOT target: the warm-up is two (the decoders' batches reach steady state),
-    # the measured window at least three (and at least 300 requests, see SimSetup.window)
-    lifetime = max_tokens * slo.tpot_p90_ms / 1e3
-    setup = SimSetup(replay, items, rows, model, oracle, n_prefill, n_decode, max_tokens,
-                     max(duration_s, 3.0 * lifetime), 2.0 * lifetime,
-                     burstiness=float(tr.manifest.get("params", {}).get("arrival_burstiness", 1.0)))
-    return setup, slo, bound, prefill_ms
-
-
 def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=None, routers=None,
                seeds: int = 5, slo_tpot_ms: float | None = None, slo_ttft_ms: float | None = None,
                duration_s: float = 0.0, max_tokens: int | None = None, split: str = "evaluation",
@@ -163,6 +128,7 @@ def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=No
     """Write report.html/.md/.json into ``out``; return the verdict dict (keys as in report.json)."""
     from eldr_cli.artifacts.guard import check_output
     from eldr_cli.artifacts.trace import read_trace
+    from eldr_cli.costmodel import CostModel
     from eldr_cli.report.capacity import check_slo_values
 
     check_slo_values(slo_tpot_ms, slo_ttft_ms, seeds)
@@ -198,9 +164,10 @@ def run_report(trace, out, *, fit=None, cost_model=None, prefill=None, decode=No
             notes.append(f"cost model: {cost_label}")
         else:
             cost_label = _cost_label(cost_model)
-        doc = _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split_used, names, bool(routers),
-                                  n_decode, max_tokens, duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms,
-                                  prefill, notes, work, step)
+        plan = ReportPlan(trace, tr, routing, Path(cost_model), CostModel.load(cost_model), split_used,
+                          n_decode, max_tokens, duration_s, tuple(seed + i for i in range(seeds)), slo_tpot_ms,
+                          slo_ttft_ms, prefill)
+        doc = _simulate_and_judge(plan, cost_label, names, bool(routers), notes, work, step)
         step("replay")
         doc["replay"] = _replay(trace, routing, doc["simulated"]["routers"], split_used, seed, work / "replay")
         doc["verdict"]["text"] += replay_text(doc["replay"])
@@ -237,7 +204,7 @@ def _ensure_fit(trace, fit, work: Path, n_decode: int, seed: int, split: str, no
     return work / "fit"
 
 
-def _buildable(names: list[str], setup, notes: list[str]) -> list[str]:
+def _buildable(names: list[str], setup: SimSetup, notes: list[str]) -> list[str]:
     """The default routers this routing artifact and cost model can build (an artifact fitted before a policy
     existed lacks its parts: that router is left out and the notes say why)."""
     from eldr_cli.routing import make_router
@@ -252,75 +219,50 @@ def _buildable(names: list[str], setup, notes: list[str]) -> list[str]:
     return keep
 
 
-def _simulate_and_judge(trace, tr, routing, cost_model, cost_label, split, names, routers_given, n_decode, max_tokens,
-                        duration_s, seeds, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes, work, step) -> dict:
+def _simulate_and_judge(plan: ReportPlan, cost_label: str, names: list[str], routers_given: bool, notes: list[str],
+                        work: Path, step) -> dict:
     """The capacity study and its verdict: the report document without replay and figures."""
-    from eldr_cli.costmodel import CostModel
     from eldr_cli.report.sensitivity import sensitivity, sensitivity_text
-    from eldr_cli.report.verdict import (
-        build_verdict,
-        deployment_facts,
-        headline_router,
-        tpot_figure,
-        verdict_text,
-    )
+    from eldr_cli.report.study import build_setup, run_sized_study
+    from eldr_cli.report.verdict import build_verdict, deployment_facts, headline_router, tpot_figure, verdict_text
 
-    cost = CostModel.load(cost_model)
-    setup, slo, bound, prefill_ms = _setup(trace, tr, routing, cost_model, cost, split, n_decode, max_tokens,
-                                           duration_s, seed, slo_tpot_ms, slo_ttft_ms, prefill, notes)
+    setup, slo, bound, prefill_ms = build_setup(plan, notes)
     if slo.how != "given":
         notes.append(f"SLO: {slo.how}")
     if not routers_given:
         names = _buildable(names, setup, notes)
     step("simulate")
-    seed_list = [seed + i for i in range(seeds)]
+    seed_list = list(plan.seeds)
     start = bound / 2.0
-    study = _study(setup, names, seed_list, slo, start, prefill_ms if prefill is None else None, notes)
-    v = build_verdict(study, slo, seed_list, deployment_facts(cost))
+    study, setup = run_sized_study(setup, names, seed_list, slo, start, prefill_ms if plan.prefill is None else None,
+                                   notes)
+    v = build_verdict(study, slo, seed_list, deployment_facts(plan.cost))
     tried = (start / 2 ** 10, start * 2 ** 5)
-    v["text"] = verdict_text(v, cost_label, setup.n_prefill, n_decode, tried)
+    v["text"] = verdict_text(v, cost_label, setup.n_prefill, plan.n_decode, tried)
     rows = sensitivity(setup, study, slo, seed_list, start, headline_router(names))
-    v["cost_model"] = {"provenance": cost_provenance(cost_model), "sensitivity": rows}
+    v["cost_model"] = {"provenance": cost_provenance(plan.cost_model), "sensitivity": rows}
     v["text"] += sensitivity_text(rows)
     (work / "capacity").mkdir()
     tpot_figure(work / "capacity" / "tpot_vs_load.png", v)
-    R, L, E = tr.prefill_counts.shape
-    return {"verdict": v,
-            "trace": {"path": str(trace), "model": tr.model.get("model"), "requests": int(R), "n_layers": int(L),
-                      "num_experts": int(E), "top_k": int(tr.model.get("top_k") or 1), "domains": _domains(tr)},
+    return {"verdict": v, "trace": _trace_facts(plan),
             "simulated": {"label": "SIMULATED", "cost_model": cost_label, "prefill": setup.n_prefill,
-                          "decode": n_decode, "routers": names, "max_tokens": max_tokens, "split": split,
-                          "seeds": seed_list, "slo_how": slo.how, "warmup_s": round(setup.warmup_s, 2),
-                          "min_window_s": round(setup.duration_s, 2), "start_rps": round(start, 4),
-                          "runs": study["runs"],
-                          "simulate_s": round(study["sim_s"], 2), "rates_tried_rps": [round(x, 4) for x in tried]},
+                          "decode": plan.n_decode, "routers": names, "max_tokens": plan.max_tokens,
+                          "split": plan.split, "seeds": seed_list, "slo_how": slo.how,
+                          "warmup_s": round(setup.warmup_s, 2), "min_window_s": round(setup.duration_s, 2),
+                          "start_rps": round(start, 4), "runs": study.runs, "simulate_s": round(study.sim_s, 2),
+                          "rates_tried_rps": [round(x, 4) for x in tried]},
             "capacity": {r: [{"seed": s, "rate_rps": round(c.rate, 4), "status": c.status, "binding": c.binding,
                               "bracket_rps": [c.lo, c.hi], "probes": len(c.probes)}
                              for s, c in zip(seed_list, cs, strict=True)]
-                         for r, cs in study["capacity"].items()},
-            "by_load_runs": study["by_load"], "fit": _fit_facts(routing), "notes": notes}
+                         for r, cs in study.capacity.items()},
+            "by_load_runs": [asdict(row) for row in study.by_load], "fit": _fit_facts(plan.routing), "notes": notes}
 
 
-def _study(setup, names: list[str], seeds: list[int], slo, start: float, prefill_ms: float | None,
-           notes: list[str]) -> dict:
-    """The capacity study; with a defaulted prefill pool (``prefill_ms`` given), redone with more prefill
-    workers (sized for twice the highest capacity found) while TTFT is what limits some router's capacity."""
-    from eldr_cli.report.capacity import default_prefill
-    from eldr_cli.report.study import run_study
-
-    for _ in range(3):
-        study = run_study(setup, names, seeds, slo, start)
-        ttft = [r for r, cs in study["capacity"].items() if [c.binding for c in cs].count("ttft") * 2 > len(cs)]
-        if prefill_ms is None or not ttft:
-            break
-        top = max(c.rate for cs in study["capacity"].values() for c in cs)
-        more = default_prefill(prefill_ms, 2.0 * top, setup.n_decode)
-        if more <= setup.n_prefill:
-            break
-        notes.append(f"TTFT limited the capacity of {', '.join(ttft)} with {setup.n_prefill} prefill workers: "
-                     f"redone with {more} (at most 35% busy at {2 * top:.3g} req/s)")
-        setup.n_prefill = more
-    return study
+def _trace_facts(plan: ReportPlan) -> dict:
+    tr = plan.tr
+    R, L, E = tr.prefill_counts.shape
+    return {"path": str(plan.trace), "model": tr.model.get("model"), "requests": int(R), "n_layers": int(L),
+            "num_experts": int(E), "top_k": int(tr.model.get("top_k") or 1), "domains": _domains(tr)}
 
 
 def _write(doc: dict, out: Path, work: Path, trace, routing: Path, t0: float) -> None:
