@@ -7,6 +7,7 @@ the benchmarks (before/after alternations, paired per round), so an interval mea
 - :func:`paired_diff_ci` / :func:`paired_pct_ci`: the same over per-pair differences ``a_i - b_i`` or relative
   changes ``100 (new_i / base_i - 1)``: pairing (one seed's arrivals for both routers, one round for both
   trees) removes the pair's own noise from the comparison;
+- :func:`welch_diff_ci`: the difference of two unpaired samples' means (Welch), where nothing pairs them;
 - :func:`bootstrap_median_ci`: a percentile-bootstrap interval of the median (seeded, so it is reproducible),
   for skewed samples such as per-request latency differences.
 """
@@ -82,6 +83,26 @@ def paired_pct_ci(new: Sequence[float | None], base: Sequence[float | None]) -> 
     """Interval of the per-pair relative changes 100 (new_i / base_i - 1), in %."""
     return mean_ci([100.0 * (x / y - 1.0) for x, y in zip(new, base, strict=True)
                     if x is not None and y is not None and y > 0])
+
+
+def welch_diff_ci(a: Sequence[float], b: Sequence[float]) -> Interval | None:
+    """Mean of ``a`` minus mean of ``b`` for two unpaired samples, with its 95% Welch interval (Welch-Satterthwaite
+    degrees of freedom); no interval (``lo``/``hi`` None) with fewer than two values on a side or no spread."""
+    x = np.asarray([v for v in a if v is not None and math.isfinite(v)], dtype=float)
+    y = np.asarray([v for v in b if v is not None and math.isfinite(v)], dtype=float)
+    if x.size == 0 or y.size == 0:
+        return None
+    d = float(x.mean() - y.mean())
+    if min(x.size, y.size) < 2:
+        return Interval(d, None, None, int(min(x.size, y.size)))
+    vx, vy = float(x.var(ddof=1)) / x.size, float(y.var(ddof=1)) / y.size
+    if vx + vy == 0.0:
+        return Interval(d, d, d, int(min(x.size, y.size)))
+    from scipy.stats import t
+
+    df = (vx + vy) ** 2 / (vx ** 2 / (x.size - 1) + vy ** 2 / (y.size - 1))
+    half = float(t.ppf(T_QUANTILE, df)) * math.sqrt(vx + vy)
+    return Interval(d, d - half, d + half, int(min(x.size, y.size)))
 
 
 def bootstrap_median_ci(values: Sequence[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
