@@ -206,3 +206,30 @@ def test_decision_gives_the_paired_live_minus_eldr_interval_and_its_reason(diff,
     assert text.startswith("Deploy eldr-live") and says in text
     lo, hi = diff[1]
     assert f"eldr-live minus eldr: {diff[0]:+.1f} capacity points (95% CI {lo:+.1f} to {hi:+.1f}" in text
+
+
+def test_the_sensitivity_searches_on_the_study_s_arrivals(monkeypatch):
+    """The moved-cost searches draw the study's arrival process: the same seeds and the same burstiness (a
+    decision log's fitted gamma shape), so only the cost differs from the study."""
+    from types import SimpleNamespace
+
+    import eldr_cli.report.study as st
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.report.sensitivity import sensitivity
+
+    seen = []
+
+    def fake_measure(setup, arrivals, router, rate, seed, tally=None):
+        seen.append((arrivals.seed, arrivals.burstiness, seed))
+        return {"tpot_p90_ms": rate, "ttft_p90_ms": 1.0}
+
+    monkeypatch.setattr(st, "measure", fake_measure)
+    replay = SimpleNamespace(cost=CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05))
+    replay.with_true_cost = lambda cost: replay
+    setup = st.SimSetup(replay, [None] * 5, np.zeros(5), None, None, n_prefill=1, n_decode=2,  # type: ignore[arg-type]
+                        max_tokens=16, duration_s=1.0, warmup_s=1.0, burstiness=0.3)
+    study = _study({"jsq": [10.0, 11.0], "eldr": [12.0, 13.0]}, {"jsq": [20.0, 21.0], "eldr": [18.0, 19.0]})
+    rows = sensitivity(setup, study, SLO(10.0, 100.0), [0, 1], 5.0, "eldr")
+    assert [(r["per_expert_scale"], r["fixed_scale"]) for r in rows][0] == (1.0, 1.0) and len(rows) == 5
+    assert {b for _, b, _ in seen} == {0.3}
+    assert all(a == s for a, _, s in seen) and {s for _, _, s in seen} == {0, 1}

@@ -23,7 +23,6 @@ SCALES = ((0.75, 1.0), (1.25, 1.0), (1.0, 0.75), (1.0, 1.25))  # (per-expert, fi
 def sensitivity(setup: SimSetup, study: Study, slo: SLO, seeds: list[int], start: float,
                 router: str | None) -> list[dict]:
     """[{per_expert_scale, fixed_scale, router, vs, capacity_gain_pct {mean, ci95}}], the unmoved cost first."""
-    from eldr_cli.bench.workload import ScaledArrivals
     from eldr_cli.costmodel import ScaledCostModel
 
     if router is None or study.status != "ok":
@@ -31,7 +30,7 @@ def sensitivity(setup: SimSetup, study: Study, slo: SLO, seeds: list[int], start
     best = study.best_lb
     out = [{"per_expert_scale": 1.0, "fixed_scale": 1.0, "router": router, "vs": best,
             "capacity_gain_pct": interval_json(capacity_gain(study, router)[0], 2)}]
-    arrivals = {s: ScaledArrivals(len(setup.items), seed=s) for s in seeds}  # the study's (same seeds)
+    arrivals = {s: setup.arrivals(s) for s in seeds}  # the study's: same seeds, same burstiness
     for pe, fx in SCALES:
         moved = replace(setup, replay=setup.replay.with_true_cost(ScaledCostModel(setup.replay.cost, pe, fx)))
         caps = {r: [find_capacity(_check(moved, arrivals[s], slo, r, s), start) for s in seeds]
