@@ -335,7 +335,7 @@ def main(argv=None) -> int:
         _eldr(["bench", "simulate", "--trace", str(trace), "--cost-model", str(cost), "--routing", str(fit),
                "--prefill", str(a.prefill), "--decode", str(a.decode), "--out", str(out / "sweep-simulated"),
                "--label", f"demo {a.prefill}P{a.decode}D", *common])
-        from eldr_cli.pipeline.report import run_report
+        from eldr_cli.report.run import run_report
 
         # the verdict: capacity at SLO per router over paired seeds, and every router at 25-100% of the best
         # load balancer's capacity, in the simulator (the emulated cluster cannot reach those rates on 2 cores)

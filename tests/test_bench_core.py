@@ -8,13 +8,13 @@ import polars as pl
 import pytest
 
 from eldr_cli.bench.metrics import _weighted_percentile, requests_frame, summarize
-from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import build_schedule, load_prompts, parse_rates
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.costmodel.moe_layer import fit_cost_model
 from eldr_cli.data import prompts_file
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run
+from eldr_cli.simulator.replay import TraceReplay, prefill_batch
 from eldr_cli.synth import synthetic_trace
 
 TASK = str(prompts_file("task"))

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from eldr_cli.bench.workload import ScaledArrivals
 from eldr_cli.errors import EldrError
-from eldr_cli.pipeline.capacity import (
+from eldr_cli.report.capacity import (
     SLO,
     Capacity,
     check_slo_values,
     find_capacity,
-    mean_ci,
-    paired_diff_ci,
-    paired_pct_ci,
 )
-from eldr_cli.pipeline.capacity_verdict import build_verdict, fmt_change, verdict_text
+from eldr_cli.report.study import LoadRuns, Study
+from eldr_cli.report.verdict import build_verdict, fmt_change, verdict_text
+from eldr_cli.stats import mean_ci, paired_diff_ci, paired_pct_ci
 
 
 def test_paired_difference_interval_by_hand():
@@ -84,13 +84,13 @@ def test_scaled_arrivals_are_one_process_for_every_rate():
     assert not np.allclose(ScaledArrivals(7, seed=4).schedule(10.0, duration_s=10.0).offsets[:5], s1.offsets[:5])
 
 
-def _study(caps: dict[str, list[float]], tpot: dict[str, list[float]]) -> dict:
+def _study(caps: dict[str, list[float]], tpot: dict[str, list[float]]) -> Study:
     """A hand-made study: capacities per seed and TPOT p50 per seed at every load point."""
-    by_load = [{"load_pct": pct, "rate_rps": 10.0 * pct / 100, "router": r,
-                "seeds": [{"tpot_p50_ms": x, "tpot_p99_ms": 2 * x, "ttft_p50_ms": 100.0, "active_experts": 5.0}
-                          for x in tpot[r]]} for pct in (25, 50, 75, 100) for r in caps]
-    return {"capacity": {r: [Capacity(x, "found", x, 1.01 * x, "tpot") for x in xs] for r, xs in caps.items()},
-            "best_lb": "jsq", "base_rps": 10.0, "by_load": by_load, "status": "ok"}
+    by_load = [LoadRuns(pct, 10.0 * pct / 100, r,
+                        [{"tpot_p50_ms": x, "tpot_p99_ms": 2 * x, "ttft_p50_ms": 100.0, "active_experts": 5.0}
+                         for x in tpot[r]]) for pct in (25, 50, 75, 100) for r in caps]
+    return Study({r: [Capacity(x, "found", x, 1.01 * x, "tpot") for x in xs] for r, xs in caps.items()}, "jsq",
+                 10.0, by_load, "ok")
 
 
 def test_identical_routers_give_no_measurable_difference():
@@ -109,9 +109,9 @@ def test_verdict_says_where_the_router_helps_and_hurts():
     caps = {"jsq": [10.0, 11.0, 9.5], "eldr": [12.0, 13.1, 11.6], "oracle": [14.0, 15.0, 13.0]}
     tpot = {"jsq": [20.0, 21.0, 19.0], "eldr": [18.0, 18.8, 17.2], "oracle": [15.0, 16.0, 14.0]}
     study = _study(caps, tpot)
-    for row in study["by_load"]:  # eldr hurts at 25% load
-        if row["load_pct"] == 25 and row["router"] == "eldr":
-            for m in row["seeds"]:
+    for row in study.by_load:  # eldr hurts at 25% load
+        if row.load_pct == 25 and row.router == "eldr":
+            for m in row.seeds:
                 m["tpot_p50_ms"] = 25.0
     v = build_verdict(study, SLO(50.0, 900.0), [0, 1, 2], {"tp": 8})
     assert v["capacity_gain_vs_best_lb_pct"]["eldr"]["mean"] == pytest.approx(100 * np.mean(
@@ -125,8 +125,8 @@ def test_verdict_says_where_the_router_helps_and_hurts():
 
 
 def test_verdict_words_when_the_slo_is_out_of_reach_or_too_loose():
-    v = build_verdict(_study({"jsq": [0.0, 0.0], "eldr": [0.0, 0.0]}, {"jsq": [], "eldr": []}) | {"status": "none",
-                      "by_load": []}, SLO(1.0, 2.0), [0, 1], {})
+    study = replace(_study({"jsq": [0.0, 0.0], "eldr": [0.0, 0.0]}, {"jsq": [], "eldr": []}), status="none", by_load=[])
+    v = build_verdict(study, SLO(1.0, 2.0), [0, 1], {})
     assert "No router meets this SLO at any rate tried" in verdict_text(v, "cm", 1, 2, (0.01, 100.0))
     v["status"] = "above"
     assert "Every router meets this SLO at the highest rate tried (100 req/s)" in verdict_text(v, "cm", 1, 2,
@@ -134,28 +134,28 @@ def test_verdict_words_when_the_slo_is_out_of_reach_or_too_loose():
 
 
 def test_a_defaulted_prefill_pool_that_lets_ttft_bind_is_resized_and_the_search_redone(monkeypatch):
-    from types import SimpleNamespace
-
-    import eldr_cli.pipeline.capacity_study as cs
-    from eldr_cli.pipeline.report import _study
+    import eldr_cli.report.study as cs
 
     calls = []
 
-    def fake_study(setup, names, seeds, slo, start):
+    def fake_study(setup, names, seeds, slo, start, tally):
         calls.append(setup.n_prefill)
         bind = "ttft" if setup.n_prefill < 20 else "tpot"
-        return {"capacity": {r: [Capacity(50.0, "found", 50.0, 50.5, bind) for _ in seeds] for r in names}}
+        return Study({r: [Capacity(50.0, "found", 50.0, 50.5, bind) for _ in seeds] for r in names}, "jsq")
 
     monkeypatch.setattr(cs, "run_study", fake_study)
-    setup, notes = SimpleNamespace(n_prefill=10, n_decode=8), []
-    study = _study(setup, ["jsq", "eldr"], [0, 1], SLO(80.0, 590.0), 10.0, 100.0, notes)
+    setup = cs.SimSetup(None, [], np.zeros(0), None, None, n_prefill=10, n_decode=8, max_tokens=16,  # type: ignore[arg-type]
+                        duration_s=1.0, warmup_s=1.0)
+    notes: list[str] = []
+    study, resized = cs.run_sized_study(setup, ["jsq", "eldr"], [0, 1], SLO(80.0, 590.0), 10.0, 100.0, notes)
     # 100 ms prefills at 2 x 50 req/s, at most 35% busy: 29 workers; then TPOT binds and the search stops
-    assert calls == [10, 29] and setup.n_prefill == 29 and "redone with 29" in notes[0]
-    assert study["capacity"]["jsq"][0].binding == "tpot"
+    assert calls == [10, 29] and resized.n_prefill == 29 and "redone with 29" in notes[0]
+    assert setup.n_prefill == 10  # the setup is a value: the resized one is a new setup
+    assert study.capacity["jsq"][0].binding == "tpot"
     calls.clear()
-    setup, notes = SimpleNamespace(n_prefill=10, n_decode=8), []
-    _study(setup, ["jsq"], [0], SLO(80.0, 590.0), 10.0, None, notes)  # --prefill given: never resized
-    assert calls == [10] and not notes
+    notes = []
+    _, same = cs.run_sized_study(setup, ["jsq"], [0], SLO(80.0, 590.0), 10.0, None, notes)  # --prefill given
+    assert calls == [10] and not notes and same is setup  # never resized
 
 
 def test_each_load_point_compares_against_its_own_lowest_tpot_balancer():
@@ -167,9 +167,9 @@ def test_each_load_point_compares_against_its_own_lowest_tpot_balancer():
             "eldr": [18.0, 18.8, 17.2], "eldr-live": [19.0, 20.0, 18.0]}
     study = _study(caps, tpot)
     at25 = {"p2c": [15.0, 16.0, 14.0], "round-robin": [15.1, 15.9, 14.2], "eldr-live": [16.0, 17.0, 15.0]}
-    for row in study["by_load"]:
-        if row["load_pct"] == 25 and row["router"] in at25:
-            for m, x in zip(row["seeds"], at25[row["router"]], strict=True):
+    for row in study.by_load:
+        if row.load_pct == 25 and row.router in at25:
+            for m, x in zip(row.seeds, at25[row.router], strict=True):
                 m["tpot_p50_ms"] = x
     v = build_verdict(study, SLO(50.0, 900.0), [0, 1, 2], {})
     assert [(b["load_pct"], b["router"]) for b in v["best_lb_by_load"]] == [(25, "p2c"), (50, "jsq"), (75, "jsq"),
@@ -196,7 +196,7 @@ def test_each_load_point_compares_against_its_own_lowest_tpot_balancer():
                                         ((-2.9, [-6.0, 0.4]), "no measurable difference, so eldr-live"),
                                         ((3.0, [1.0, 5.0]), "eldr-live carries measurably more than eldr")])
 def test_decision_gives_the_paired_live_minus_eldr_interval_and_its_reason(diff, says):
-    from eldr_cli.pipeline.report_render import decision
+    from eldr_cli.report.render import decision
 
     iv = {"mean": 19.2, "ci95": [15.1, 23.4]}
     v = {"status": "ok", "best_load_balancer": "jsq", "capacity_rps": {"jsq": iv, "eldr": iv, "eldr-live": iv},
@@ -206,3 +206,30 @@ def test_decision_gives_the_paired_live_minus_eldr_interval_and_its_reason(diff,
     assert text.startswith("Deploy eldr-live") and says in text
     lo, hi = diff[1]
     assert f"eldr-live minus eldr: {diff[0]:+.1f} capacity points (95% CI {lo:+.1f} to {hi:+.1f}" in text
+
+
+def test_the_sensitivity_searches_on_the_study_s_arrivals(monkeypatch):
+    """The moved-cost searches draw the study's arrival process: the same seeds and the same burstiness (a
+    decision log's fitted gamma shape), so only the cost differs from the study."""
+    from types import SimpleNamespace
+
+    import eldr_cli.report.study as st
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.report.sensitivity import sensitivity
+
+    seen = []
+
+    def fake_measure(setup, arrivals, router, rate, seed, tally=None):
+        seen.append((arrivals.seed, arrivals.burstiness, seed))
+        return {"tpot_p90_ms": rate, "ttft_p90_ms": 1.0}
+
+    monkeypatch.setattr(st, "measure", fake_measure)
+    replay = SimpleNamespace(cost=CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05))
+    replay.with_true_cost = lambda cost: replay
+    setup = st.SimSetup(replay, [None] * 5, np.zeros(5), None, None, n_prefill=1, n_decode=2,  # type: ignore[arg-type]
+                        max_tokens=16, duration_s=1.0, warmup_s=1.0, burstiness=0.3)
+    study = _study({"jsq": [10.0, 11.0], "eldr": [12.0, 13.0]}, {"jsq": [20.0, 21.0], "eldr": [18.0, 19.0]})
+    rows = sensitivity(setup, study, SLO(10.0, 100.0), [0, 1], 5.0, "eldr")
+    assert [(r["per_expert_scale"], r["fixed_scale"]) for r in rows][0] == (1.0, 1.0) and len(rows) == 5
+    assert {b for _, b, _ in seen} == {0.3}
+    assert all(a == s for a, _, s in seen) and {s for _, _, s in seen} == {0, 1}

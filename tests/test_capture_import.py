@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from eldr_cli.artifacts.trace import read_trace
+from eldr_cli.capture import import_file
+from eldr_cli.capture import import_trace as importer
 from eldr_cli.capture.oic_fixtures import write_oic_tree
 from eldr_cli.capture.staging import staging_dir
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run as eldr
-from eldr_cli.pipeline import import_file
-from eldr_cli.pipeline import import_trace as importer
 
 
 def _expected(files, E):

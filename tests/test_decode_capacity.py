@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from eldr_cli.bench.replay import _pack_picks, charged_counts
 from eldr_cli.costmodel import CostModel
 from eldr_cli.simulator.core import DecodePool, busiest_rank_active
+from eldr_cli.simulator.replay import _pack_picks, charged_counts
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def test_shipped_h100_measurement_fits_within_6pct_and_its_roofline_ratio_is_sta
     # what a distinct expert costs, measured: 3.4 us per layer on the H100 (bf16, 9.4 MB per expert)
     assert 2.5e-3 < cm.b_ms < 4.5e-3
     assert len(rows) >= 20
-    from eldr_cli.pipeline.report import cost_provenance
+    from eldr_cli.report.run import cost_provenance
 
     assert cost_provenance(out).startswith("MEASURED decode step: one Qwen3-30B-A3B TP1 decoder layer "
                                            "(torch.compile + CUDA graph) on cuda (NVIDIA H100")

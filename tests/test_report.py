@@ -180,7 +180,7 @@ def test_report_with_a_cost_model_of_another_model_exits_2(inputs, tmp_path):
     ((1e-4, None), "none", "No router meets this SLO"),
     pytest.param((1e7, 1e9), "above", "Every router meets this SLO", marks=pytest.mark.slow)])
 def test_an_slo_out_of_reach_or_too_loose_gives_a_report_that_says_so(inputs, tmp_path, slo, status, words):
-    from eldr_cli.pipeline.report import run_report
+    from eldr_cli.report.run import run_report
 
     v = run_report(inputs / "t", tmp_path / "r", cost_model=inputs / "cm", routers=["round-robin", "eldr"],
                    seeds=1, slo_tpot_ms=slo[0], slo_ttft_ms=slo[1], duration_s=0.05)
@@ -190,7 +190,7 @@ def test_an_slo_out_of_reach_or_too_loose_gives_a_report_that_says_so(inputs, tm
 
 
 def test_replay_sentence_picks_the_most_telling_batch_and_says_when_eldr_beats_the_oracle():
-    from eldr_cli.pipeline.report import replay_text
+    from eldr_cli.report.run import replay_text
 
     def row(b, lb, e, o, share):
         return {"batch_size": b, "best_lb": "jsq", "best_lb_active": lb, "eldr_active": e, "oracle_active": o,
@@ -209,7 +209,7 @@ def test_report_html_renders_in_chromium_with_the_headline_visible(report, tmp_p
     """A real browser: the DOM after load holds the decision and the headline figures, and the page paints."""
     from PIL import Image
 
-    from eldr_cli.pipeline.report_render import headline
+    from eldr_cli.report.render import headline
 
     exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     assert exe, "headless Chromium is needed for this test: `make deps-chromium` installs it"
@@ -234,7 +234,7 @@ def test_capacity_search_finds_the_threshold_of_a_synthetic_linear_cost_model(in
     """Decode step = L (a + c B) ms for B running requests. Little's law (B = lambda/D * max_tokens * TPOT per
     decoder) gives mean TPOT = L a / (1 - L c lambda/D m), so the mean meets a target S up to
     lambda* = D (1 - L a / S) / (L c m). TPOT p90 is a little above the mean: the capacity is just below."""
-    from eldr_cli.pipeline.report import run_report
+    from eldr_cli.report.run import run_report
 
     a_ms, c_ms, L, m, D, S = 0.1, 0.02, 8, 16, 2, 4.0  # the trace's median decode steps are 16
     write_cost_model(tmp_path / "lin", CostModel(a_ms=a_ms, b_ms=0.0, c_ms=c_ms, source="measured", device="test"))
@@ -256,7 +256,7 @@ def test_capacity_search_finds_the_threshold_of_a_synthetic_linear_cost_model(in
 def test_headline_tiles_and_decision_of_a_verdict_written_by_hand():
     """The headline on intervals away from 0 (the fixture's span 0): eldr-live's figures, signs and the instances
     saved turned into the change in decode instances, the strings written out here."""
-    from eldr_cli.pipeline.report_render import decision, headline
+    from eldr_cli.report.render import decision, headline
 
     def iv(m, lo, hi):
         return {"mean": m, "ci95": [lo, hi]}

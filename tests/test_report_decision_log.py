@@ -139,7 +139,7 @@ def test_logged_tpot_against_the_cost_model(served, tmp_path):
     """Rows carrying the decoders' scraped TPOT (here written into the served log: 2 ms on d0, 4 ms elsewhere)
     give each decoder's logged TPOT beside the cost model's step at its mean logged batch."""
     from eldr_cli.costmodel import CostModel
-    from eldr_cli.pipeline.decision_replay import logged_tpot
+    from eldr_cli.report.decision_log import logged_tpot
 
     d, fit = served
     model = RoutingModel.load(fit)

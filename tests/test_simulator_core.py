@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from eldr_cli.artifacts.trace import write_trace
-from eldr_cli.bench.replay import TraceReplay
 from eldr_cli.costmodel import CostModel, write_cost_model
 from eldr_cli.costmodel.roofline import RooflineCostModel, run_cost_model
+from eldr_cli.simulator.replay import TraceReplay
 from eldr_cli.synth import synthetic_trace
 
 # figures written by the simulator as of commit a076c36 (before the loop was rewritten for speed) for
@@ -106,7 +106,7 @@ def test_measured_cost_model_ignores_context():
 def test_expert_parallel_roofline_charges_the_busiest_rank_in_simulator_and_emulator(tmp_path):
     """EP4 over 16 experts: the simulator's compiled step and the emulator's replay (TraceReplay) charge
     the same busiest-rank count and give the same step time."""
-    from eldr_cli.bench.replay import charged_counts
+    from eldr_cli.simulator.replay import charged_counts
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     run_cost_model(tmp_path / "cm", tmp_path / "config.json", device="H100-SXM", ep=4)

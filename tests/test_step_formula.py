@@ -68,9 +68,9 @@ def test_scaled_cost_moves_only_the_per_expert_and_fixed_terms():
 
 def test_a_replay_with_a_true_cost_keeps_the_routers_prediction(tmp_path):
     from eldr_cli.artifacts.trace import read_trace
-    from eldr_cli.bench.replay import TraceReplay
     from eldr_cli.costmodel import ScaledCostModel
     from eldr_cli.main import run as eldr
+    from eldr_cli.simulator.replay import TraceReplay
 
     assert eldr(["synth-trace", "--out", str(tmp_path / "t"), "--requests", "20", "--layers", "4", "--experts", "16",
                  "--top-k", "2", "--decode-steps", "4", "--picks"]) == 0

@@ -51,7 +51,7 @@ def capture_cmd(
         if model is not None or prompts is not None:
             raise EldrError("--from-trace imports recorded picks; do not combine it with --model/--prompts")
         from eldr_cli.artifacts.guard import check_output
-        from eldr_cli.pipeline.import_trace import import_trace
+        from eldr_cli.capture.import_trace import import_trace
 
         check_output(out, "trace", [from_trace], force=force or None)  # before reading the tree
         with replacing(out, force):

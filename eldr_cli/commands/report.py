@@ -44,7 +44,7 @@ def report_cmd(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from eldr_cli.console import console
-    from eldr_cli.pipeline.report import STAGES
+    from eldr_cli.report.run import STAGES
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   disable=not progress, transient=True) as bar:
@@ -64,7 +64,7 @@ def report_cmd(
         v = _run(trace, decision_log, out, fit, split, kw)
         bar.advance(task)
     from eldr_cli.console import table
-    from eldr_cli.pipeline.report_render import capacity_table
+    from eldr_cli.report.render import capacity_table
 
     _, head, rows = capacity_table(v)
     t = table(*head, title="capacity at SLO -- SIMULATED, mean [95% interval]")
@@ -87,12 +87,12 @@ def report_cmd(
 
 def _run(trace, decision_log, out, fit, split, kw) -> dict:
     from eldr_cli.errors import EldrError
-    from eldr_cli.pipeline.report import run_report
+    from eldr_cli.report.run import run_report
 
     if (trace is None) == (decision_log is None):
         raise EldrError("give one of --trace (a trace artifact) or --decision-log (the proxy's decision log)")
     if decision_log is not None:
-        from eldr_cli.pipeline.decision_replay import run_report_from_log
+        from eldr_cli.report.decision_log import run_report_from_log
 
         return run_report_from_log(decision_log, out, fit=fit, **kw)
     return run_report(trace, out, fit=fit, split=split, **kw)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,17 +25,34 @@ from eldr_cli.errors import EldrError
 KIND = "cost-model"
 
 
+class StepTerms(NamedTuple):
+    """A decode step's form, all in ms: ``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A charged
+    experts (summed over MoE layers), B requests (tokens) and C their summed context (tokens). A tuple, so
+    positional readers and numpy (``np.asarray(terms)``, the simulator's compiled loop) keep working."""
+
+    const: float   # fixed per step (per-layer overheads)
+    kb: float      # per charged expert: its weight read
+    kt: float      # per request (token), outside the roof
+    m0: float      # memory constant: the dense weights read once per step
+    kv: float      # per context token: its KV read
+    kc: float      # compute per request (token)
+    ka: float      # compute per context token (attention)
+    roof: float    # 1.0: the step is the larger of memory and compute; 0.0: the memory form alone (linear)
+
+
 def step_ms_from_terms(terms, charged, batch, context):
     """THE decode step (ms): ``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A charged experts
     (summed over MoE layers), B requests (tokens) and C their summed context, ``terms`` =
-    ``cost.step_terms()`` = (const, kb, kt, m0, kv, kc, ka, has_roof). Without a roof (a measured linear
-    model) the memory form is taken as is. Every consumer evaluates a step through this function: the
-    cost models' ``step_ms``, the trace replay, eldr-live's prediction (numpy arrays over decoders) and the
-    simulator's compiled loop (``simulator.core.step_time`` is this function compiled by numba)."""
-    mem = terms[3] + terms[1] * charged + terms[4] * context
-    if terms[7] != 0.0:
-        mem = np.maximum(mem, terms[5] * batch + terms[6] * context)
-    return terms[0] + mem + terms[2] * batch
+    ``cost.step_terms()`` (:class:`StepTerms`, or the same eight numbers as a tuple or array). Without a roof
+    (a measured linear model) the memory form is taken as is. Every consumer evaluates a step through this
+    function: the cost models' ``step_ms``, the trace replay, eldr-live's prediction (numpy arrays over
+    decoders) and the simulator's compiled loop (``simulator.core.step_time`` is this function compiled by
+    numba, which unpacks an array as it does a tuple)."""
+    const, kb, kt, m0, kv, kc, ka, roof = terms
+    mem = m0 + kb * charged + kv * context
+    if roof != 0.0:
+        mem = np.maximum(mem, kc * batch + ka * context)
+    return const + mem + kt * batch
 
 
 def _context_sum(context) -> float:
@@ -84,12 +102,12 @@ class CostModel:
         """(per-step constant per layer, per active expert, per token per layer) for fast loops."""
         return (self.a_ms + self.e_ms, self.b_ms, self.c_ms * token_scale + self.d_ms)
 
-    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
-        """The simulator's step form ``const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` (A = active
-        experts summed over layers, B = requests, C = their summed context) as
-        (const, kb, kt, m0, kv, kc, ka, has_roof). A linear model has no memory constant, KV or roof."""
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> StepTerms:
+        """The simulator's step form (:class:`StepTerms`; A = active experts summed over layers, B = requests,
+        C = their summed context). A linear model has no memory constant, compute terms or roof."""
         k0, kb, kt = self.coefficients(token_scale)
-        return (n_layers * k0, kb, n_layers * kt, 0.0, n_layers * self.kv_ms, 0.0, 0.0, 0.0)
+        return StepTerms(const=n_layers * k0, kb=kb, kt=n_layers * kt, m0=0.0, kv=n_layers * self.kv_ms, kc=0.0,
+                         ka=0.0, roof=0.0)
 
     def as_params(self) -> dict:
         return asdict(self)
@@ -125,11 +143,9 @@ class ScaledCostModel:
     def __init__(self, base: CostModel, per_expert_scale: float, fixed_scale: float):
         self.base, self.per_expert_scale, self.fixed_scale = base, float(per_expert_scale), float(fixed_scale)
 
-    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
-        t = [float(x) for x in self.base.step_terms(n_layers, token_scale)]
-        t[0] *= self.fixed_scale
-        t[1] *= self.per_expert_scale
-        return tuple(t)
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> StepTerms:
+        t = StepTerms._make(float(x) for x in self.base.step_terms(n_layers, token_scale))
+        return t._replace(const=t.const * self.fixed_scale, kb=t.kb * self.per_expert_scale)
 
     def step_ms(self, active_total: float, n_layers: int, tokens: float, token_scale: float = 1.0,
                 context=None) -> float:

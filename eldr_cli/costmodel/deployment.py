@@ -32,8 +32,9 @@ GPU_MEMORY_UTILIZATION = 0.9
 MIN_KV_TOKENS = 65536
 TP_CHOICES = (1, 2, 4, 8, 16)
 KV_BLOCK_TOKENS = 16  # vLLM's default KV block size (the simulator and the emulator allocate in blocks)
-# the params keys every roofline cost model carries at its top level (tools read them)
-DEPLOYMENT_KEYS = ("tp", "ep", "dtype", "gpus_per_instance", "kv_capacity_tokens")
+# the params keys every roofline cost model carries at its top level (tools read them), in the order the report
+# states a decode instance (report.json's verdict.deployment, report.md's facts)
+DEPLOYMENT_KEYS = ("gpus_per_instance", "tp", "ep", "dtype", "kv_capacity_tokens")
 
 
 def deployment_from_params(params: dict) -> dict | None:

@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from eldr_cli.costmodel import CostModel, step_ms_from_terms, write_cost_model
+from eldr_cli.costmodel import CostModel, StepTerms, step_ms_from_terms, write_cost_model
 from eldr_cli.costmodel.deployment import (
     DEPLOYMENT_KEYS,
     GPU_MEMORY_UTILIZATION,
@@ -204,30 +204,31 @@ class Roofline:
         the union with EP = 1, the busiest rank's with EP > 1)."""
         return self.facts.dense_params * DTYPE_BYTES[self.dtype] / self.tp + active_total * self.expert_read_bytes
 
-    def step_terms(self) -> tuple[float, ...]:
-        """The step as a linear decomposition, all in ms: (const, kb, kt, m0, kv, kc, ka, has_roof) with
+    def step_terms(self) -> StepTerms:
+        """The step as a linear decomposition, all in ms (:class:`~eldr_cli.costmodel.StepTerms`):
         ``step = const + max(m0 + kb*A + kv*C, kc*B + ka*C) + kt*B`` for A charged active experts summed
         over MoE layers (see :meth:`weights_read_bytes`), B requests and C their summed context (tokens),
         per GPU. The simulator's compiled loop evaluates exactly this form; :meth:`memory_ms`,
         :meth:`compute_ms`, :meth:`step_ms` use it too."""
         f, w = self.facts, DTYPE_BYTES[self.dtype]
         bw, fl = self.bytes_per_s / 1e3, self.flops_per_s / 1e3  # per ms
-        return ((f.n_layers * self.attn_fixed_us + f.moe_layers * self.moe_fixed_us) / 1e3,
-                self.expert_read_bytes / bw,
-                0.0,
-                f.dense_params * w / self.tp / bw,
-                self.kv_bytes_per_token_gpu / self.dp / (self.kv_bytes_per_s / 1e3),
-                2 * (f.dense_params / self.gpus + f.top_k * f.moe_layers * f.expert_params / self.gpus) / fl,
-                2 * f.attn_dim * f.n_layers / self.gpus / fl,
-                1.0)
+        return StepTerms(
+            const=(f.n_layers * self.attn_fixed_us + f.moe_layers * self.moe_fixed_us) / 1e3,
+            kb=self.expert_read_bytes / bw,
+            kt=0.0,
+            m0=f.dense_params * w / self.tp / bw,
+            kv=self.kv_bytes_per_token_gpu / self.dp / (self.kv_bytes_per_s / 1e3),
+            kc=2 * (f.dense_params / self.gpus + f.top_k * f.moe_layers * f.expert_params / self.gpus) / fl,
+            ka=2 * f.attn_dim * f.n_layers / self.gpus / fl,
+            roof=1.0)
 
     def memory_ms(self, active_total: float, context_tokens: float) -> float:
-        _, kb, _, m0, kv, _, _, _ = self.step_terms()
-        return m0 + kb * active_total + kv * context_tokens
+        t = self.step_terms()
+        return t.m0 + t.kb * active_total + t.kv * context_tokens
 
     def compute_ms(self, batch: int, context_tokens: float) -> float:
-        _, _, _, _, _, kc, ka, _ = self.step_terms()
-        return kc * batch + ka * context_tokens
+        t = self.step_terms()
+        return t.kc * batch + t.ka * context_tokens
 
     def step_ms(self, active_total: float, contexts) -> float:
         """One decode step: ``contexts`` = each running request's current context length (tokens)."""
@@ -250,8 +251,8 @@ class Roofline:
         """Memory-bound linearisation in the simulator's form (per trace layer = per MoE layer):
         a = overhead and dense weights, b = one expert, c = one request's KV at ``context`` tokens."""
         L = self.facts.moe_layers
-        const, kb, _, m0, kv, _, _, _ = self.step_terms()
-        return CostModel(a_ms=(m0 + const) / L, b_ms=kb, c_ms=context * kv / L,
+        t = self.step_terms()
+        return CostModel(a_ms=(t.m0 + t.const) / L, b_ms=t.kb, c_ms=context * t.kv / L,
                          source="roofline", device="", top_k=None)
 
 
@@ -274,10 +275,10 @@ class RooflineCostModel(CostModel):
         return self.roofline
 
     @cached_property
-    def _terms(self) -> tuple[float, ...]:
+    def _terms(self) -> StepTerms:
         return self._roof().step_terms()
 
-    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> tuple[float, ...]:
+    def step_terms(self, n_layers: int, token_scale: float = 1.0) -> StepTerms:
         return self._terms
 
     @property

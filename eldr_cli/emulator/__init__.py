@@ -26,7 +26,7 @@ Protocol (vLLM NIXL-proxy style):
   the worker's running totals of requests, unmatched prompts and wrapped requests).
 
 A request is a trace row: its prompt text names it, or, for rows without text (imported traces), the
-prompt ``trace-row:<request_id>`` (see :mod:`eldr_cli.bench.replay`). Decode past a row's captured steps
+prompt ``trace-row:<request_id>`` (see :mod:`eldr_cli.simulator.replay`). Decode past a row's captured steps
 replays them again from the first and is counted (``wrapped``). With a roofline cost model a decode step
 charges each running request's KV at its current context (prompt + generated tokens).
 

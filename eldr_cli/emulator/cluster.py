@@ -13,11 +13,11 @@ from aiohttp import web
 
 from eldr_cli.artifacts.trace import read_trace
 from eldr_cli.bench.client import new_event_loop
-from eldr_cli.bench.replay import TraceReplay
 from eldr_cli.costmodel import CostModel
 from eldr_cli.emulator.app import make_app
 from eldr_cli.emulator.workers import DecodeWorker, PrefillWorker
 from eldr_cli.errors import EldrError
+from eldr_cli.simulator.replay import TraceReplay
 
 
 class EmulatedCluster:

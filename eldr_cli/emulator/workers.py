@@ -12,9 +12,9 @@ from collections import deque
 
 import numpy as np
 
-from eldr_cli.bench.replay import TraceReplay, prefill_batch, prompt_of
 from eldr_cli.costmodel.deployment import KV_BLOCK_TOKENS
 from eldr_cli.simulator.core import schedule_kv
+from eldr_cli.simulator.replay import TraceReplay, prefill_batch, prompt_of
 
 STEP_FIELDS = ("t_s", "batch", "active_experts", "step_ms", "late_ms")
 CATCH_UP_S = 0.05  # a step that ended up to 50 ms late is made up by the following steps

@@ -11,6 +11,7 @@ from typing import cast
 import numpy as np
 
 from eldr_cli.capture.backend import RequestCapture, check_checkpoint, model_fingerprint
+from eldr_cli.capture.progress import progress_bar
 from eldr_cli.capture.prompts import load_prompts, selection_hash
 from eldr_cli.capture.staging import Staging, staging_dir
 from eldr_cli.errors import EldrError
@@ -23,32 +24,6 @@ class CaptureResult:
     skipped: list[dict] = field(default_factory=list)
     resumed_requests: int = 0
     already_complete: bool = False
-
-
-def _progress(enabled: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
-
-    from eldr_cli.console import err_console
-
-    class Rates(ProgressColumn):
-        def render(self, task):
-            dt = task.fields.get("busy_s") or 0.0
-            if dt <= 0:
-                return Text("-- req/s  -- tok/s", style="progress.data.speed")
-            return Text(f"{task.fields.get('reqs', 0) / dt:6.2f} req/s {task.fields.get('toks', 0) / dt:8.0f} tok/s",
-                        style="progress.data.speed")
-
-    return Progress(TextColumn("[bold]capture"), BarColumn(), MofNCompleteColumn(), Rates(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console, disable=not enabled, transient=False)
 
 
 def _chunk_arrays(caps: list[RequestCapture], E: int, with_gate: bool) -> dict[str, np.ndarray]:
@@ -107,7 +82,7 @@ def run_capture(model, prompts, out, *, backend: str = "transformers", max_new_t
     staging, resumed = _open_staging(out, fingerprint, resume, log)
     t_start = time.perf_counter()
     counters = _Counters()
-    with _progress(progress) as bar:
+    with progress_bar(progress) as bar:
         task = bar.add_task("capture", total=len(rows), reqs=0, toks=0, busy_s=0.0)
         for c in range((len(rows) + chunk_size - 1) // chunk_size):
             chunk_rows = rows[c * chunk_size:(c + 1) * chunk_size]

@@ -36,7 +36,7 @@ PASSES_MIN = 3  # requests per run >= 3 K B, so the steady state is most of the 
 
 def step_masks(trace, pick_rows: np.ndarray, chunk: int = 4096) -> np.ndarray:
     """Packed bit sets (uint64 [n, W]) of the decode steps ``pick_rows`` (bit l*E + e: expert e at layer l)."""
-    from eldr_cli.bench.replay import _pack_bits
+    from eldr_cli.simulator.replay import _pack_bits
 
     L, E = trace.num_layers, trace.num_experts
     out = []

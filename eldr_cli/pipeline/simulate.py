@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr_cli.bench.replay import TraceReplay
 from eldr_cli.bench.workload import PromptItem, build_schedule, row_ref
 from eldr_cli.errors import EldrError
 from eldr_cli.routing import LOAD_BALANCERS, ROUTERS
 from eldr_cli.simulator.cluster import simulate_run
+from eldr_cli.simulator.replay import TraceReplay
 
 
 def check_compatible(replay: TraceReplay, model) -> None:

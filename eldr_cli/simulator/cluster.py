@@ -17,9 +17,9 @@ from itertools import islice
 
 import numpy as np
 
-from eldr_cli.bench.replay import TraceReplay, prefill_batch
 from eldr_cli.bench.workload import PromptItem, Schedule
 from eldr_cli.routing import DecodeRouter, make_router
+from eldr_cli.simulator.replay import TraceReplay, prefill_batch
 
 
 def _prefill_chooser(n_prefill: int):
@@ -39,8 +39,8 @@ class _PrefillCost:
     (most prefill steps at these loads hold one request)."""
 
     def __init__(self, replay: TraceReplay):
-        from eldr_cli.bench.replay import charged_counts
         from eldr_cli.simulator.core import union_active
+        from eldr_cli.simulator.replay import charged_counts
 
         self.replay, self.union = replay, union_active
         self.geo = (replay.n_layers, replay.num_experts, replay.ep)

@@ -10,39 +10,39 @@ was best at the unmoved cost (only it and the headline router are searched again
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from eldr_cli.pipeline.capacity import SLO, find_capacity
-from eldr_cli.pipeline.capacity_verdict import _iv, capacity_gain, fmt_change
+from eldr_cli.report.capacity import SLO, find_capacity
+from eldr_cli.report.study import SimSetup, Study
+from eldr_cli.report.verdict import capacity_gain, fmt_change
+from eldr_cli.stats import Interval, interval_json
 
 SCALES = ((0.75, 1.0), (1.25, 1.0), (1.0, 0.75), (1.0, 1.25))  # (per-expert, fixed)
 
 
-def sensitivity(setup, study: dict, slo: SLO, seeds: list[int], start: float, router: str | None) -> list[dict]:
+def sensitivity(setup: SimSetup, study: Study, slo: SLO, seeds: list[int], start: float,
+                router: str | None) -> list[dict]:
     """[{per_expert_scale, fixed_scale, router, vs, capacity_gain_pct {mean, ci95}}], the unmoved cost first."""
-    from eldr_cli.bench.workload import ScaledArrivals
     from eldr_cli.costmodel import ScaledCostModel
-    if router is None or study["status"] != "ok":
+
+    if router is None or study.status != "ok":
         return []
-    best = study["best_lb"]
+    best = study.best_lb
     out = [{"per_expert_scale": 1.0, "fixed_scale": 1.0, "router": router, "vs": best,
-            "capacity_gain_pct": _iv(capacity_gain(study, router)[0], 2)}]
-    base = setup.replay
-    arrivals = {s: ScaledArrivals(len(setup.items), seed=s) for s in seeds}  # the study's (same seeds)
-    try:
-        for pe, fx in SCALES:
-            setup.replay = base.with_true_cost(ScaledCostModel(base.cost, pe, fx))
-            caps = {r: [find_capacity(_check(setup, arrivals[s], slo, r, s), start) for s in seeds]
-                    for r in (router, best)}
-            gain, _ = capacity_gain({"capacity": caps, "best_lb": best}, router)
-            out.append({"per_expert_scale": pe, "fixed_scale": fx, "router": router, "vs": best,
-                        "capacity_gain_pct": _iv(gain, 2)})
-    finally:
-        setup.replay = base
+            "capacity_gain_pct": interval_json(capacity_gain(study, router)[0], 2)}]
+    arrivals = {s: setup.arrivals(s) for s in seeds}  # the study's: same seeds, same burstiness
+    for pe, fx in SCALES:
+        moved = replace(setup, replay=setup.replay.with_true_cost(ScaledCostModel(setup.replay.cost, pe, fx)))
+        caps = {r: [find_capacity(_check(moved, arrivals[s], slo, r, s), start) for s in seeds]
+                for r in (router, best)}
+        gain, _ = capacity_gain(Study(caps, best), router)
+        out.append({"per_expert_scale": pe, "fixed_scale": fx, "router": router, "vs": best,
+                    "capacity_gain_pct": interval_json(gain, 2)})
     return out
 
 
-def _check(setup, arrivals, slo: SLO, router: str, seed: int) -> Callable[[float], tuple[bool, str | None]]:
-    from eldr_cli.pipeline.capacity_study import measure
+def _check(setup: SimSetup, arrivals, slo: SLO, router: str, seed: int) -> Callable[[float], tuple[bool, str | None]]:
+    from eldr_cli.report.study import measure
 
     return lambda rate: slo.check(measure(setup, arrivals, router, rate, seed))
 
@@ -51,12 +51,11 @@ def sensitivity_text(rows: list[dict]) -> str:
     """One sentence: the headline gain at each moved cost."""
     if len(rows) < 2:
         return ""
-    from eldr_cli.pipeline.capacity_verdict import _from_json
 
     def say(r: dict) -> str:
         what = (f"per-expert cost x{r['per_expert_scale']:g}" if r["per_expert_scale"] != 1.0
                 else f"fixed cost x{r['fixed_scale']:g}")
-        return f"{what}: {fmt_change(_from_json(r['capacity_gain_pct']))}"
+        return f"{what}: {fmt_change(Interval.from_json(r['capacity_gain_pct']))}"
 
     return (f" How much this rests on the cost model: {rows[0]['router']}'s capacity gain over {rows[0]['vs']} with "
             "the GPU's costs moved while the router keeps the model's, " + "; ".join(say(r) for r in rows[1:]) + ".")

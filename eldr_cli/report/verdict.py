@@ -7,27 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr_cli.pipeline.capacity import (
-    CI_METHOD,
-    CLAIRVOYANT,
-    LIMITS,
-    LOAD_BALANCERS,
-    ORACLE,
-    SLO,
-    TOLERANCE,
-    Interval,
-    is_candidate,
-    mean_ci,
-    paired_pct_ci,
-)
+from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
+from eldr_cli.report.capacity import CI_METHOD, CLAIRVOYANT, LIMITS, ORACLE, SLO, TOLERANCE, is_candidate
+from eldr_cli.report.study import Study
+from eldr_cli.routing import LOAD_BALANCERS
+from eldr_cli.stats import Interval, interval_json, mean_ci, paired_pct_ci
 
 LEGACY_LOAD_PCT = 75  # today's four verdict keys are computed at this load point
-DEPLOYMENT_KEYS = ("gpus_per_instance", "tp", "ep", "dtype", "kv_capacity_tokens")
 BY_LOAD_KEYS = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms")
-
-
-def _iv(x: Interval | None, digits: int = 3) -> dict:
-    return x.as_json(digits) if x is not None else {"mean": None, "ci95": [None, None]}
 
 
 def fmt_change(x: Interval | None, what: str = "") -> str:
@@ -64,24 +51,13 @@ def deployment_facts(cost) -> dict:
     return {k: dep.get(k) for k in DEPLOYMENT_KEYS}
 
 
-def _seed_values(study: dict, pct: int, router: str, key: str) -> list:
-    for row in study["by_load"]:
-        if row["load_pct"] == pct and row["router"] == router:
-            return [m.get(key) for m in row["seeds"]]
-    return []
-
-
-def _rates(study: dict, router: str) -> list[float]:
-    return [c.rate for c in study["capacity"][router]]
-
-
-def capacity_gain(study: dict, router: str) -> tuple[Interval | None, Interval | None]:
+def capacity_gain(study: Study, router: str) -> tuple[Interval | None, Interval | None]:
     """(capacity gain vs the best load balancer in %, decode instances saved for the same traffic in %),
     both from the per-seed pairs; a seed where either capacity is 0 has no ratio and is left out. Each capacity
     is known within its search bracket [lo, (1 + TOLERANCE) lo), so the ratio of two is known within a factor
     (1 + TOLERANCE) either way: the t-interval is widened by that much (a 1% difference on the bisection's
     grid is not a measured 1%)."""
-    c, b = _rates(study, router), _rates(study, study["best_lb"])
+    c, b = study.rates(router), study.rates(study.best_lb)
     pairs = [(x, y) for x, y in zip(c, b, strict=True) if x > 0 and y > 0]
     gain = paired_pct_ci([x for x, _ in pairs], [y for _, y in pairs])
     saved = mean_ci([100.0 * (1.0 - y / x) for x, y in pairs])
@@ -95,15 +71,15 @@ def capacity_gain(study: dict, router: str) -> tuple[Interval | None, Interval |
     return gain, saved
 
 
-def change_at(study: dict, pct: int, router: str, key: str, base: str | None = None) -> Interval | None:
-    return paired_pct_ci(_seed_values(study, pct, router, key), _seed_values(study, pct, base or study["best_lb"],
+def change_at(study: Study, pct: int, router: str, key: str, base: str | None = None) -> Interval | None:
+    return paired_pct_ci(study.seed_values(pct, router, key), study.seed_values(pct, base or study.best_lb,
                                                                               key))
 
 
-def best_lb_at(study: dict, pct: int) -> dict | None:
+def best_lb_at(study: Study, pct: int) -> dict | None:
     """The load balancer with the lowest mean median TPOT at one load point, and those it cannot be told
     from (their paired per-seed TPOT change against it spans 0): a "best" chosen among overlapping ones."""
-    got = {r: mean_ci(_seed_values(study, pct, r, "tpot_p50_ms")) for r in study["capacity"] if r in LOAD_BALANCERS}
+    got = {r: mean_ci(study.seed_values(pct, r, "tpot_p50_ms")) for r in study.capacity if r in LOAD_BALANCERS}
     got = {r: m for r, m in got.items() if m is not None}
     if not got:
         return None
@@ -114,64 +90,65 @@ def best_lb_at(study: dict, pct: int) -> dict | None:
             "indistinguishable_from": ties}
 
 
-def gain_difference(study: dict, a: str, b: str) -> Interval | None:
+def gain_difference(study: Study, a: str, b: str) -> Interval | None:
     """``a``'s capacity gain minus ``b``'s, both against the best load balancer, paired per seed, in
     percentage points (widened by the capacity search's tolerance as :func:`capacity_gain` is)."""
-    if not {a, b} <= set(study["capacity"]):
+    if not {a, b} <= set(study.capacity):
         return None
-    lb = _rates(study, study["best_lb"])
-    diff = [100.0 * (x - y) / z for x, y, z in zip(_rates(study, a), _rates(study, b), lb, strict=True)
+    lb = study.rates(study.best_lb)
+    diff = [100.0 * (x - y) / z for x, y, z in zip(study.rates(a), study.rates(b), lb, strict=True)
             if z > 0]
     iv = mean_ci(diff)
     if iv is None or iv.lo is None or iv.hi is None:
         return iv
-    top = max(float(np.mean(_rates(study, r))) for r in (a, b))
+    top = max(float(np.mean(study.rates(r))) for r in (a, b))
     tol = 100.0 * TOLERANCE * top / max(float(np.mean(lb)), 1e-9)
     return Interval(iv.mean, iv.lo - tol, iv.hi + tol, iv.n)
 
 
-def build_verdict(study: dict, slo: SLO, seeds: list[int], deployment: dict) -> dict:
+def build_verdict(study: Study, slo: SLO, seeds: list[int], deployment: dict) -> dict:
     """report.json's ``verdict`` (without its text): the keys tools read, then today's four at 75% load."""
-    routers = list(study["capacity"])
-    best = study["best_lb"]
+    routers = list(study.capacity)
+    best = study.best_lb
     v: dict = {"slo": {"tpot_p90_ms": slo.tpot_p90_ms, "ttft_p90_ms": slo.ttft_p90_ms},
-               "best_load_balancer": best, "seeds": len(seeds), "status": study["status"],
+               "best_load_balancer": best, "seeds": len(seeds), "status": study.status,
                "ci_method": CI_METHOD,
-               "capacity_rps": {r: _iv(mean_ci(_rates(study, r))) for r in routers},
+               "capacity_rps": {r: interval_json(mean_ci(study.rates(r))) for r in routers},
                "capacity_gain_vs_best_lb_pct": {}, "decode_instances_saved_pct": {},
                "binding_slo": {r: _binding(study, r) for r in routers},
                "by_load": [], "change_vs_best_lb_by_load": [], "deployment": deployment}
-    loads = sorted({row["load_pct"] for row in study["by_load"]})
+    loads = sorted({row.load_pct for row in study.by_load})
     v["best_lb_by_load"] = [b for pct in loads if (b := best_lb_at(study, pct)) is not None]
     at = {b["load_pct"]: b["router"] for b in v["best_lb_by_load"]}
-    v["eldr_live_minus_eldr_capacity_pp"] = _iv(gain_difference(study, "eldr-live", "eldr"), 2)
-    v["clairvoyant_minus_eldr_live_capacity_pp"] = _iv(gain_difference(study, CLAIRVOYANT, "eldr-live"), 2)
+    v["eldr_live_minus_eldr_capacity_pp"] = interval_json(gain_difference(study, "eldr-live", "eldr"), 2)
+    v["clairvoyant_minus_eldr_live_capacity_pp"] = interval_json(gain_difference(study, CLAIRVOYANT, "eldr-live"), 2)
     v["best_load_balancer_indistinguishable_from"] = [
         r for r in routers if r in LOAD_BALANCERS and r != best
-        and (c := paired_pct_ci(_rates(study, r), _rates(study, best))) is not None and c.spans_zero]
+        and (c := paired_pct_ci(study.rates(r), study.rates(best))) is not None and c.spans_zero]
     for r in routers:
         if r in LOAD_BALANCERS:
             continue
         gain, saved = capacity_gain(study, r)
-        v["capacity_gain_vs_best_lb_pct"][r] = _iv(gain, 2)
-        v["decode_instances_saved_pct"][r] = _iv(saved, 2)
-    for row in study["by_load"]:
-        pct, r = row["load_pct"], row["router"]
-        v["by_load"].append({"load_pct": pct, "router": r, "rate_rps": round(row["rate_rps"], 3),
-                             **{k: _iv(mean_ci([m.get(k) for m in row["seeds"]])) for k in BY_LOAD_KEYS}})
+        v["capacity_gain_vs_best_lb_pct"][r] = interval_json(gain, 2)
+        v["decode_instances_saved_pct"][r] = interval_json(saved, 2)
+    for row in study.by_load:
+        pct, r = row.load_pct, row.router
+        v["by_load"].append({"load_pct": pct, "router": r, "rate_rps": round(row.rate_rps, 3),
+                             **{k: interval_json(mean_ci([m.get(k) for m in row.seeds])) for k in BY_LOAD_KEYS}})
         base = at.get(pct, best)  # the load balancer with the lowest median TPOT at this load
         if r != base:
             v["change_vs_best_lb_by_load"].append(
                 {"load_pct": pct, "router": r, "vs": base,
-                 **{k.replace("_ms", "_pct"): _iv(change_at(study, pct, r, k, base), 2) for k in BY_LOAD_KEYS}})
+                 **{k.replace("_ms", "_pct"): interval_json(change_at(study, pct, r, k, base), 2)
+                    for k in BY_LOAD_KEYS}})
     # today's four keys keep their meaning: the paper's eldr against the best load balancer
     v.update(legacy_keys(study, "eldr" if "eldr" in routers else headline_router(routers)))
     return v
 
 
-def _binding(study: dict, router: str) -> str | None:
+def _binding(study: Study, router: str) -> str | None:
     """The SLO that failed first for most seeds ("tpot", "ttft"), None when none failed."""
-    got = [c.binding for c in study["capacity"][router] if c.binding]
+    got = [c.binding for c in study.capacity[router] if c.binding]
     return max(set(got), key=got.count) if got else None
 
 
@@ -182,26 +159,26 @@ def headline_router(routers: list[str]) -> str | None:
     return next((r for r in ("eldr-live", "eldr") if r in cands), cands[0] if cands else None)
 
 
-def legacy_keys(study: dict, router: str | None) -> dict:
+def legacy_keys(study: Study, router: str | None) -> dict:
     """Today's four verdict keys (and the TTFT one), now at 75% of the best load balancer's capacity."""
     from eldr_cli.routing.oracle import oracle_share
 
     out: dict = {"tpot_p50_change_vs_best_lb_pct": None, "tpot_p99_change_vs_best_lb_pct": None,
                  "ttft_p50_change_vs_best_lb_pct": None, "active_experts_change_vs_rr_pct": None,
                  "oracle_share_pct": None, "legacy_keys_load_pct": LEGACY_LOAD_PCT}
-    if router is None or not study["by_load"]:
+    if router is None or not study.by_load:
         return out
-    pct, best = LEGACY_LOAD_PCT, study["best_lb"]
+    pct, best = LEGACY_LOAD_PCT, study.best_lb
     for key, metric in (("tpot_p50_change_vs_best_lb_pct", "tpot_p50_ms"),
                         ("tpot_p99_change_vs_best_lb_pct", "tpot_p99_ms"),
                         ("ttft_p50_change_vs_best_lb_pct", "ttft_p50_ms")):
         iv = change_at(study, pct, router, metric)
         out[key] = None if iv is None else round(iv.mean, 2)
-    rr = "round-robin" if "round-robin" in study["capacity"] else best
+    rr = "round-robin" if "round-robin" in study.capacity else best
     iv = change_at(study, pct, router, "active_experts", rr)
     out["active_experts_change_vs_rr_pct"] = None if iv is None else round(iv.mean, 2)
-    if ORACLE in study["capacity"]:
-        m = {r: mean_ci(_seed_values(study, pct, r, "tpot_p50_ms")) for r in (best, router, ORACLE)}
+    if ORACLE in study.capacity:
+        m = {r: mean_ci(study.seed_values(pct, r, "tpot_p50_ms")) for r in (best, router, ORACLE)}
         if all(x is not None for x in m.values()):
             s = oracle_share(m[best].mean, m[router].mean, m[ORACLE].mean)  # type: ignore[union-attr]
             out["oracle_share_pct"] = None if s is None else round(float(np.clip(s, 0.0, 100.0)), 1)
@@ -301,7 +278,7 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried:
         f" (chosen among overlapping intervals: {', '.join(ties)} cannot be told from it)." if ties else ".")
     router = headline_router(list(v["capacity_rps"]))
     for r, g in v["capacity_gain_vs_best_lb_pct"].items():
-        iv = _from_json(g)
+        iv = Interval.from_json(g)
         name = LIMIT_NAMES.get(r, r)
         if iv is None:
             out += f" {name}: capacity gain not measurable."
@@ -310,7 +287,7 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried:
         elif iv.spans_zero:
             out += f" {name}: no measurable difference in capacity ({iv.lo:+.1f} to {iv.hi:+.1f}%)."
         else:
-            saved = _from_json(v["decode_instances_saved_pct"][r])
+            saved = Interval.from_json(v["decode_instances_saved_pct"][r])
             more = "more" if iv.mean >= 0 else "less"
             out += (f" {name} carries {abs(iv.mean):.1f}% {more} traffic at this SLO "
                     f"(95% CI {iv.lo:+.1f} to {iv.hi:+.1f}%)")
@@ -325,13 +302,6 @@ def verdict_text(v: dict, cost_label: str, n_prefill: int, n_decode: int, tried:
         out += (f" TTFT, not TPOT, is the binding SLO for {', '.join(ttft)}: prefill (or the TTFT target) limits "
                 "that capacity, not the decoders; add prefill workers (--prefill) to compare decode routing.")
     return out
-
-
-def _from_json(d: dict) -> Interval | None:
-    if d["mean"] is None:
-        return None
-    lo, hi = d["ci95"]
-    return Interval(d["mean"], lo, hi, 0)
 
 
 LIMIT_NAMES = {ORACLE: "The step-cluster oracle (balanced clusters of the served rows' decode steps, the band rule)",

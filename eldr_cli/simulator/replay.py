@@ -34,7 +34,7 @@ import numpy as np
 
 from eldr_cli.artifacts.trace import Trace
 from eldr_cli.bench.workload import row_ref
-from eldr_cli.costmodel import CostModel, step_ms_from_terms
+from eldr_cli.costmodel import CostModel, StepTerms, step_ms_from_terms
 from eldr_cli.errors import EldrError
 
 
@@ -113,7 +113,7 @@ class TraceReplay:
         self.n_layers, self.num_experts = L, E
         self.ep = cost.ep_ranks
         self.token_scale = cost.token_scale(trace.model.get("top_k"))
-        self.terms = tuple(float(x) for x in cost.step_terms(L, self.token_scale))  # the step's form
+        self.terms = StepTerms._make(float(x) for x in cost.step_terms(L, self.token_scale))  # the step's form
         self.predicted_cost = cost  # what a cost-aware router predicts with (see with_true_cost)
         steps = np.asarray(trace.decode_steps, dtype=np.int64)
         self.offsets = np.asarray(trace.decode_offsets, dtype=np.int64)
@@ -150,7 +150,7 @@ class TraceReplay:
         (a GPU that differs from the cost model the router was given): the report's sensitivity."""
         rp = copy.copy(self)
         rp.cost = cost
-        rp.terms = tuple(float(x) for x in cost.step_terms(self.n_layers, self.token_scale))
+        rp.terms = StepTerms._make(float(x) for x in cost.step_terms(self.n_layers, self.token_scale))
         return rp
 
     @property

@@ -10,8 +10,10 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from eldr_cli.pipeline.capacity import LOAD_BALANCERS, Interval
-from eldr_cli.pipeline.capacity_verdict import DEPLOYMENT_KEYS, fmt_change, fmt_value
+from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
+from eldr_cli.report.verdict import fmt_change, fmt_value
+from eldr_cli.routing import LOAD_BALANCERS
+from eldr_cli.stats import Interval
 
 EVIDENCE = [("Signature quality: rho per transform, greedy layer curve, N*", ("fig7", "fig8")),
             ("Clusters", ("fig9",)),
@@ -27,11 +29,7 @@ class Section:
     figures: list[str] = field(default_factory=list)
 
 
-def _iv(d: dict | None) -> Interval | None:
-    if not d or d.get("mean") is None:
-        return None
-    lo, hi = d.get("ci95") or (None, None)
-    return Interval(float(d["mean"]), lo, hi, 0)
+_iv = Interval.from_json  # a report.json {"mean", "ci95"} pair as an Interval (None without a mean)
 
 
 def _num(x, digits: int = 3) -> str:
@@ -43,7 +41,7 @@ def _num(x, digits: int = 3) -> str:
 def headline(doc: dict) -> list[tuple[str, str, str]]:
     """The headline card: (label, big figure, small print) for capacity gain, decode instances saved, TPOT
     p50 and p99 change at 75% load. Figures are "no measurable difference" when the interval spans 0."""
-    from eldr_cli.pipeline.capacity_verdict import LEGACY_LOAD_PCT, headline_router
+    from eldr_cli.report.verdict import LEGACY_LOAD_PCT, headline_router
 
     v = doc["verdict"]
     r = headline_router(list(v["capacity_rps"]))
@@ -73,7 +71,7 @@ def vs(t: tuple[str, str, str], at: dict) -> tuple[str, str, str]:
 
 def decision(doc: dict) -> str:
     """One word on what to do, ahead of the verdict's paragraph."""
-    from eldr_cli.pipeline.capacity_verdict import headline_router
+    from eldr_cli.report.verdict import headline_router
 
     v = doc["verdict"]
     r = headline_router(list(v["capacity_rps"]))

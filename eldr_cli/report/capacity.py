@@ -2,8 +2,8 @@
 
 - **Statistics.** Every figure is measured once per seed (arrival schedule, served-row order, the randomized
   policies' seeds); routers share a seed's arrivals, so a comparison is the mean of the *paired* per-seed
-  differences with a 95% Student-t interval (n-1 degrees of freedom). An interval that spans 0 is "no
-  measurable difference".
+  differences with a 95% Student-t interval (n-1 degrees of freedom, :mod:`eldr_cli.stats`). An interval
+  that spans 0 is "no measurable difference".
 - **Capacity search.** Per router and seed: the highest request rate at which TPOT p90 <= the TPOT target
   and TTFT p90 <= the TTFT target. From a starting rate, double (or halve) until the SLO flips, then bisect
   (geometric midpoint) until the bracket [lo, hi) satisfies hi <= 1.02 lo; the capacity is lo, the highest
@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,53 +40,6 @@ def is_candidate(router: str) -> bool:
     """A router compared against the best load balancer: anything that is neither a balancer nor a limit row
     (the step-cluster oracle, the clairvoyant router: they know the future)."""
     return router not in LOAD_BALANCERS and router not in LIMITS
-
-
-# -- statistics ----------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Interval:
-    """Mean of ``n`` values and its 95% t-interval (``lo``/``hi`` None with fewer than two values)."""
-
-    mean: float
-    lo: float | None
-    hi: float | None
-    n: int
-
-    @property
-    def spans_zero(self) -> bool:
-        return self.lo is None or self.hi is None or (self.lo <= 0.0 <= self.hi)
-
-    def as_json(self, digits: int = 3) -> dict:
-        def r(x):
-            return None if x is None else round(float(x), digits)
-
-        return {"mean": r(self.mean), "ci95": [r(self.lo), r(self.hi)]}
-
-
-def mean_ci(values: Sequence[float]) -> Interval | None:
-    """Mean and 95% Student-t interval of the finite ``values`` (None when there are none)."""
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    if v.size == 0:
-        return None
-    m = float(v.mean())
-    if v.size < 2:
-        return Interval(m, None, None, 1)
-    from scipy.stats import t
-
-    half = float(t.ppf(0.975, v.size - 1)) * float(v.std(ddof=1)) / math.sqrt(v.size)
-    return Interval(m, m - half, m + half, int(v.size))
-
-
-def paired_diff_ci(a: Sequence[float], b: Sequence[float]) -> Interval | None:
-    """Interval of the per-seed differences a_i - b_i (pairs with a missing side are dropped)."""
-    return mean_ci([x - y for x, y in zip(a, b, strict=True) if x is not None and y is not None])
-
-
-def paired_pct_ci(new: Sequence[float], base: Sequence[float]) -> Interval | None:
-    """Interval of the per-seed relative changes 100 (new_i / base_i - 1), in %."""
-    return mean_ci([100.0 * (x / y - 1.0) for x, y in zip(new, base, strict=True)
-                    if x is not None and y is not None and y > 0])
 
 
 # -- capacity search -----------------------------------------------------------------------------------

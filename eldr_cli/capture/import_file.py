@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eldr_cli.pipeline.oic_parse import fast_parse as _fast_parse
+from eldr_cli.capture.oic_parse import fast_parse as _fast_parse
 
 
 class BadTraceFile(Exception):
@@ -169,7 +169,7 @@ def _is_eval(request_id: str, seed: int, fraction: float) -> bool:
 
 def warm_up() -> None:
     """Load (or compile) the fast parser now."""
-    from eldr_cli.pipeline import oic_parse
+    from eldr_cli.capture import oic_parse
 
     oic_parse.load()
 
