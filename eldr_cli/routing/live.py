@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from eldr_cli.costmodel import step_ms_from_terms
+from eldr_cli.costmodel import StepTerms, step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.routing.live_set import ActivationSource, LiveEntry, LiveSet, PrefillPredictor
 from eldr_cli.routing.model import RoutingModel
@@ -67,16 +67,15 @@ class LiveDetail(NamedTuple):
         return self.entry.prototype
 
 
-def step_form(cost, n_layers: int) -> tuple[float, ...]:
-    """(const, kb, kt, m0, kv, kc, ka, roof) of a decode step (see ``CostModel.step_terms``)."""
+def step_form(cost, n_layers: int) -> StepTerms:
+    """The decode step's form (``CostModel.step_terms``) eldr-live predicts with."""
     if cost is None:
         a, b, c = DEFAULT_STEP_TERMS_PER_LAYER
-        return (n_layers * a, b, n_layers * c, 0.0, 0.0, 0.0, 0.0, 0.0)
-    terms = [float(x) for x in cost.step_terms(n_layers, 1.0)]
+        return StepTerms(n_layers * a, b, n_layers * c, 0.0, 0.0, 0.0, 0.0, 0.0)
+    terms = StepTerms(*(float(x) for x in cost.step_terms(n_layers, 1.0)))
     # A_d is an expected union; with expert parallelism a step pays for the busiest rank's experts, taken
     # here as the union spread evenly over the ranks (CostModel.spread_active; x 1 without EP)
-    terms[1] *= cost.spread_active(1.0)
-    return tuple(terms)
+    return terms._replace(kb=terms.kb * cost.spread_active(1.0))
 
 
 def live_set(n_workers: int, model: RoutingModel | None, cost=None,
@@ -135,7 +134,7 @@ class EldrLivePolicy(Policy):
         # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
         # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
         # Redis's exact counts)
-        growth = T1 - Tb + self.terms[2]
+        growth = T1 - Tb + self.terms.kt
         return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=cost, detail=detail, growth_ms=growth,
                        tie=tie)
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from eldr_cli.costmodel import step_ms_from_terms
+from eldr_cli.costmodel import StepTerms, step_ms_from_terms
 from eldr_cli.errors import EldrError
 from eldr_cli.method.live import MAX_ACTIVATION
 from eldr_cli.routing.model import RoutingModel
@@ -133,7 +133,7 @@ class LiveSet:
     """Per decoder: the requests in flight (this process's by their entries, the other replicas' as counts per
     prototype) and their context tokens; ``q``, ``active`` and ``ctx`` are refreshed lazily at the next read."""
 
-    def __init__(self, n_workers: int, source: ActivationSource, terms: tuple[float, ...]):
+    def __init__(self, n_workers: int, source: ActivationSource, terms: StepTerms):
         self.source, self.terms = source, terms
         M1, LE = source.table.shape
         self.counts = np.zeros((n_workers, M1), dtype=np.int64)           # this process's, per prototype
