@@ -35,6 +35,14 @@ from eldr_cli.errors import InvalidParameterError
 MAX_ACTIVATION = 0.999  # keeps log(1 - a) finite: no expert is certain to fire at every step
 KAPPAS = (0.0, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0, np.inf)  # prompt tokens worth the prototype's mean
 LOSS_FLOOR = 1e-4  # log-loss: a predicted probability is read as at least this (a 0 would cost infinity)
+TUNE_ROWS = 512  # kappa and w (2 numbers a layer) are tuned on at most this many rows: the fit's time stays bounded
+
+
+def tune_rows(n: int, seed: int) -> np.ndarray:
+    """The rows kappa and w are tuned on: all of ``n``, or a seeded sample of TUNE_ROWS."""
+    if n <= TUNE_ROWS:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=TUNE_ROWS, replace=False))
 
 
 def prefill_frequency(counts: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,16 +75,26 @@ class Shrinkage:
         return cls(np.full(n_layers, np.inf), np.zeros(n_layers))
 
 
+def prototype_sums(act: np.ndarray, labels: np.ndarray, n_protos: int) -> np.ndarray:
+    """Sum of the rows' activations per prototype [M, L, E] (float64; one matrix product)."""
+    onehot = np.zeros((n_protos, len(act)))
+    onehot[labels, np.arange(len(act))] = 1.0
+    return (onehot @ act.reshape(len(act), -1).astype(np.float64)).reshape(n_protos, *act.shape[1:])
+
+
 def loo_prototype_means(act: np.ndarray, labels: np.ndarray, n_protos: int) -> np.ndarray:
     """Each row's prototype mean without the row itself [R, L, E] (the global mean without it for a lone member)."""
-    sums = np.zeros((n_protos, *act.shape[1:]), dtype=np.float64)
-    np.add.at(sums, labels, act)
+    sums = prototype_sums(act, labels, n_protos)
     n = np.bincount(labels, minlength=n_protos).astype(np.float64)
-    total = act.sum(axis=0, dtype=np.float64)
-    own = sums[labels] - act
-    out = np.where((n[labels] > 1)[:, None, None], own / np.maximum(n[labels] - 1, 1)[:, None, None],
-                   (total - act) / max(len(act) - 1, 1))
-    return out.astype(np.float32)
+    total = sums.sum(axis=0)
+    a32 = np.asarray(act, dtype=np.float32)
+    own = sums.astype(np.float32)[labels]
+    own -= a32
+    lone = n[labels] <= 1
+    own /= np.maximum(n[labels] - 1, 1).astype(np.float32)[:, None, None]
+    if lone.any():
+        own[lone] = (total.astype(np.float32) - a32[lone]) / max(len(act) - 1, 1)
+    return own
 
 
 def tune_shrinkage(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray,
@@ -139,15 +157,15 @@ class DecodeActivation:
         if ok.sum() < 2:
             raise InvalidParameterError("signatures", "at least 2 calibration requests with decode steps are needed")
         S, steps = S[ok], steps[ok]
-        act = np.asarray(decode_counts, dtype=np.float64)[ok] / steps[:, None, None]
+        act = np.asarray(decode_counts)[ok].astype(np.float32) / steps[:, None, None].astype(np.float32)
         M = min(self.n_prototypes, int(ok.sum()) // 2)
         km = BalancedKMeans(M, balanced=False, seed=self.seed).fit(S)
         labels = np.asarray(km.labels_)
+        sums = prototype_sums(act, labels, M)
+        n = np.bincount(labels, minlength=M)
         out = np.empty((M + 1, *act.shape[1:]), dtype=np.float64)
-        for m in range(M):
-            members = labels == m
-            out[m] = act[members].mean(axis=0) if members.any() else act.mean(axis=0)
-        out[M] = act.mean(axis=0)
+        out[M] = sums.sum(axis=0) / len(act)
+        out[:M] = np.where((n > 0)[:, None, None], sums / np.maximum(n, 1)[:, None, None], out[M])
         self.prototypes_ = np.ascontiguousarray(km.centroids_, dtype=np.float64)
         self.activation_ = np.clip(out, 0.0, MAX_ACTIVATION).astype(np.float32)
         self.labels_ = labels  # prototype of each kept row
@@ -160,12 +178,14 @@ class DecodeActivation:
             from eldr_cli.method.live_quality import choose, predictor_quality
 
             pc = np.asarray(prefill_counts)[ok]
-            y = np.clip(act, 0.0, MAX_ACTIVATION).astype(np.float32)
+            y = np.clip(act, 0.0, MAX_ACTIVATION)
             self.quality_ = predictor_quality(S, y, pc, top_k, labels, M, seed=self.seed)
             self.predictor_ = choose(self.quality_)
-            if self.predictor_ != "prototype":  # the chosen form, tuned again on every row
+            if self.predictor_ != "prototype":  # the chosen form, tuned again on (up to TUNE_ROWS of) every row
                 f, tok = prefill_frequency(pc, top_k)
-                self.shrinkage_ = tune_shrinkage(y, f, tok, loo_prototype_means(y, labels, M),
+                loo = loo_prototype_means(y, labels, M)
+                sub = tune_rows(len(y), self.seed)
+                self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo[sub],
                                                  per_layer=self.predictor_ == "shrinkage")
         return self
 

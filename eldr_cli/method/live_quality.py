@@ -1,12 +1,12 @@
 """How well eldr-live's decode-activation predictors predict, measured where they are fitted (issue 35).
 
-The calibration rows with decode steps are split once (seeded): a quarter is held back. Every candidate is
+The calibration rows with decode steps are split once (seeded): a quarter (at most 256) is held back. Every candidate is
 built from the other rows only (prototype means without the held-back rows; shrinkage tuned on the rest by
 leave-one-out) and scored on the held-back rows against their true per-step activation y_r(l, e):
 
 - ``brier``: mean over (request, layer, expert) of (a - y)^2;
 - ``log_loss``: the per-step log-loss -[y log a + (1 - y) log(1 - a)], a read as at least 1e-4;
-- ``union_err_pct_b{8,32,64}``: mean |U(a) - U(y)| / U(y) over 200 random batches of b held-back requests,
+- ``union_err_pct_b{8,32,64}``: mean |U(a) - U(y)| / U(y) over 64 random batches of b held-back requests,
   where U is the expected number of distinct experts a step of the batch activates,
   sum_{l,e} (1 - prod_r (1 - a_r(l, e))): what eldr-live's cost rests on. The clairvoyant (a = y) scores 0.
 
@@ -26,48 +26,71 @@ from eldr_cli.method.live import (
     MAX_ACTIVATION,
     loo_prototype_means,
     prefill_frequency,
+    prototype_sums,
     shrink,
+    tune_rows,
     tune_shrinkage,
 )
 
 SERVABLE = ("prototype", "shrinkage-global", "shrinkage")  # in order of simplicity
 HOLD_BACK = 0.25
 BATCHES = (8, 32, 64)
-N_BATCHES = 200
+N_BATCHES = 64
 TOLERANCE = 0.005  # a more complex predictor must beat the simpler one by more than 0.5% of its Brier score
+MAX_HELD = 256  # held-back rows at most (the measurement's cost stays bounded at large N)
 
 
-def _union(a: np.ndarray, batches: np.ndarray) -> np.ndarray:
-    """Expected distinct experts per step of each batch [n_batches] (a [R, L*E])."""
-    log_idle = np.log1p(-np.clip(a, 0.0, 1.0 - 1e-7).astype(np.float64))
-    return (1.0 - np.exp(log_idle[batches].sum(axis=1))).sum(axis=1)
+def _log_idle(a: np.ndarray) -> np.ndarray:
+    return np.log1p(-np.clip(a.reshape(len(a), -1).astype(np.float64), 0.0, 1.0 - 1e-7)).astype(np.float32)
 
 
-def scores(a: np.ndarray, y: np.ndarray, batches: dict[int, np.ndarray]) -> dict[str, float]:
-    """The metrics of predictions ``a`` against the truth ``y`` (both [R, L, E])."""
+def _membership(batches: np.ndarray, n_rows: int) -> np.ndarray:
+    """[n_batches, n_rows]: how often each row is in each batch."""
+    member = np.zeros((len(batches), n_rows), dtype=np.float32)
+    np.add.at(member, (np.repeat(np.arange(len(batches)), batches.shape[1]), batches.reshape(-1)), 1.0)
+    return member
+
+
+def _union(log_idle: np.ndarray, member: np.ndarray) -> np.ndarray:
+    """Expected distinct experts per step of each batch [n_batches]: a batch's log q is the sum of its members'
+    log(1 - a), one matrix product of the batches' membership counts with the rows' log(1 - a)."""
+    return (1.0 - np.exp(member @ log_idle)).sum(axis=1, dtype=np.float64)
+
+
+def scores(a: np.ndarray, y: np.ndarray, batches: dict[int, np.ndarray],
+           truth: dict[int, np.ndarray] | None = None) -> dict[str, float]:
+    """The metrics of predictions ``a`` against the truth ``y`` (both [R, L, E]); ``truth``: the true unions per
+    batch size, when already computed."""
     a2, y2 = a.reshape(len(a), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
     p = np.clip(a2, LOSS_FLOOR, MAX_ACTIVATION)
     out = {"brier": float(((a2 - y2) ** 2).mean()),
            "log_loss": float(-(y2 * np.log(p) + (1 - y2) * np.log1p(-p)).mean())}
+    la, ly = _log_idle(a2), None
     for b, idx in batches.items():
-        ut = _union(y2, idx)
-        out[f"union_err_pct_b{b}"] = float(100 * np.mean(np.abs(_union(a2, idx) - ut) / np.maximum(ut, 1e-9)))
+        member = _membership(idx, len(a2))
+        if truth is None or b not in truth:
+            ly = _log_idle(y2) if ly is None else ly
+            ut = _union(ly, member)
+        else:
+            ut = truth[b]
+        out[f"union_err_pct_b{b}"] = float(100 * np.mean(np.abs(_union(la, member) - ut) / np.maximum(ut, 1e-9)))
     return out
 
 
 def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
     """Each candidate's predictions for the held-back rows, built from the other rows only."""
     rest = ~held
-    sums = np.zeros((n_protos, *y.shape[1:]), dtype=np.float64)
-    np.add.at(sums, labels[rest], y[rest])
+    sums = prototype_sums(y[rest], labels[rest], n_protos)
     n = np.bincount(labels[rest], minlength=n_protos)
     mean = y[rest].mean(axis=0)
     proto_means = np.where((n > 0)[:, None, None], sums / np.maximum(n, 1)[:, None, None], mean)
     proto = proto_means[labels[held]].astype(np.float32)
     loo = loo_prototype_means(y[rest], labels[rest], n_protos)
+    sub = tune_rows(int(rest.sum()), 0)
+    yr, fr, tr = y[rest][sub], f[rest][sub], tok[rest][sub]
     out = {"prototype": proto}
     for name, per_layer in (("shrinkage-global", False), ("shrinkage", True)):
-        sh = tune_shrinkage(y[rest], f[rest], tok[rest], loo, per_layer=per_layer)
+        sh = tune_shrinkage(yr, fr, tr, loo[sub], per_layer=per_layer)
         out[name] = shrink(f[held], tok[held], proto, sh.kappa, sh.weight)
     L = y.shape[1]
     out["own"] = shrink(f[held], tok[held], proto, np.zeros(L), np.ones(L))
@@ -84,7 +107,7 @@ def predictor_quality(S: np.ndarray, act: np.ndarray, prefill_counts: np.ndarray
     ``S`` [R, d] signatures, ``act`` [R, L, E] true per-step activations, ``prefill_counts`` [R, L, E] and the
     rows' prototype ``labels`` [R], all of the calibration rows with decode steps."""
     R = len(act)
-    n_held = int(round(HOLD_BACK * R))
+    n_held = min(int(round(HOLD_BACK * R)), MAX_HELD)
     if n_held < 2 or R - n_held < 2:
         return None
     rng = np.random.default_rng(seed)
@@ -94,8 +117,11 @@ def predictor_quality(S: np.ndarray, act: np.ndarray, prefill_counts: np.ndarray
     f, tok = prefill_frequency(prefill_counts, top_k)
     batches = {b: rng.integers(0, n_held, size=(N_BATCHES, b)) for b in BATCHES}
     yh = y[held]
-    out = {name: scores(a, yh, batches) for name, a in _candidates(S, y, f, tok, labels, n_protos, held).items()}
-    out["clairvoyant"] = scores(yh, yh, batches)
+    ly = _log_idle(yh)
+    truth = {b: _union(ly, _membership(idx, len(yh))) for b, idx in batches.items()}
+    out = {name: scores(a, yh, batches, truth)
+           for name, a in _candidates(S, y, f, tok, labels, n_protos, held).items()}
+    out["clairvoyant"] = scores(yh, yh, batches, truth)
     return out
 
 
