@@ -120,8 +120,25 @@ class ProxyConfig:
 
 
     def _resolve_admin_token(self) -> None:
+        source = f"--admin-token-file {self.admin_token_file}" if self.admin_token_file else \
+            "admin_token" if self.admin_token is not None else ADMIN_TOKEN_ENV
         self.admin_token = admin_token_from(self.admin_token_file, self.admin_token)
         self.admin_token_file = None
+        if self.admin_token:
+            check_admin_token(self.admin_token, source)
+
+
+def check_admin_token(token: str, source: str) -> None:
+    """An admin token must hold the strength of a state key (:func:`eldr_cli.proxy.replicas.auth.weakness`):
+    it guards workers, policy and routing over HTTP, where anyone who reaches the port may guess (issue 36).
+    EldrError naming ``source``, never the token."""
+    from eldr_cli.proxy.replicas.auth import MAKE_ONE, weakness
+
+    why = weakness(token.encode())
+    if why is not None:
+        raise EldrError(f"the admin token ({source}) is too weak to guard the admin API: it {why}",
+                        hint=f"export {ADMIN_TOKEN_ENV}=$({MAKE_ONE}), or write one to the --admin-token-file "
+                             "(mode 600)")
 
 
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"
