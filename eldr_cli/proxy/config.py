@@ -17,6 +17,7 @@ from typing import Any
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError
+from eldr_cli.routing.prefill import BLOCK_CHARS, BLOCKS, OVERLOAD
 from eldr_cli.routing.registry import NEEDS_ROUTING, check_policy
 
 
@@ -40,9 +41,9 @@ class ProxyConfig:
     decode_read_timeout_s: float = 300.0  # max silence between two decode chunks
     max_connections_per_worker: int = 1024
     # prefill routing: PrefixHash over the prompt's leading blocks, least-loaded above 1.25x average
-    prefix_block_chars: int = 256
-    prefix_blocks: int = 4
-    prefill_overload_factor: float = 1.25
+    prefix_block_chars: int = BLOCK_CHARS  # 256 (the simulator places prompts with the same)
+    prefix_blocks: int = BLOCKS  # 4
+    prefill_overload_factor: float = OVERLOAD  # 1.25
     # active health checks
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
