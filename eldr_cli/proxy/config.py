@@ -138,7 +138,7 @@ def check_admin_token(token: str, source: str) -> None:
     why = weakness(token.encode())
     if why is not None:
         raise EldrError(f"the admin token ({source}) is too weak to guard the admin API: it {why}",
-                        hint=f"export {ADMIN_TOKEN_ENV}=$({MAKE_ONE}), or write one to the --admin-token-file "
+                        hint=f"set {ADMIN_TOKEN_ENV}=$({MAKE_ONE}), or put one in the --admin-token-file "
                              "(mode 600)")
 
 
