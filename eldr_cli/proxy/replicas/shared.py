@@ -13,12 +13,12 @@ the same "least loaded" decoder. What is shared, and how:
   ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
   request. Every ``HEARTBEAT_S`` it also writes them to its own key ``<ns>:inflight:<replica>``
   with a TTL of ``TTL_MS`` and reads the other live replicas' keys (which repairs any lost message:
-  the newer version wins). The sum over the other replicas is
-  ``Worker.remote_inflight``, which the decision adds to the local count. The same message carries
-  named per-worker integer vectors (``set_local_vectors``; for stateful policies), summed over the
-  other replicas into ``Worker.remote_vectors[name]`` the same way. A replica that stops says goodbye
-  (signed) and stops counting at once; one that dies, when its key expires or its sequence stops growing
-  (:mod:`.peers`: a replay does not grow it): within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
+  the newer version wins). The sum over the other replicas is ``Worker.remote_inflight``, which the
+  decision adds to the local count. The same message carries named per-worker integer vectors
+  (``set_local_vectors``; for stateful policies), summed over the other replicas into
+  ``Worker.remote_vectors[name]`` the same way. A replica that stops says goodbye (signed) and stops
+  counting at once; one that dies, when its key expires or its sequence stops growing (:mod:`.peers`: a
+  replay does not grow it): within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
   A decision reads the last counts that arrived, then (reservation on) waits at most
   ``--state-reserve-ms`` for one atomic round trip that picks and reserves the slot.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
@@ -199,8 +199,7 @@ class RedisState(ChannelsMixin, LocalState):
         if self.reserver is not None:
             await self.reserver.stop()
         if self._redis is not None:
-            assert self.env is not None  # no counts left behind (a crash leaves them until the TTL)
-            await self._say_goodbye(self.env.seal("bye", {}), self._key(self.replica_id), TTL_MS, self.replica_id)
+            await self._say_goodbye(self._key(self.replica_id), TTL_MS, self.replica_id)  # a crash: until the TTL
             try:
                 await self._redis.aclose()
             except Exception:
@@ -250,10 +249,11 @@ class RedisState(ChannelsMixin, LocalState):
         return msg.origin
 
     def _gone(self, origin: str) -> None:
-        """``origin`` said goodbye (a clean stop): its counts leave the sums now."""
+        """``origin`` said goodbye (a clean stop): it and its counts leave the sums now."""
         self.peers.end(origin)
-        self._others.pop(origin, None)
         self._peer_cv.pop(origin, None)
+        if self._others.pop(origin, None) is not None:
+            self._replicas = max(1, self._replicas - 1)
         self._apply_remote()
 
     async def sync_once(self) -> None:
