@@ -16,9 +16,8 @@ the same "least loaded" decoder. What is shared, and how:
   the newer version wins). The sum over the other replicas is ``Worker.remote_inflight``, which the
   decision adds to the local count. The same message carries named per-worker integer vectors
   (``set_local_vectors``; for stateful policies), summed over the other replicas into
-  ``Worker.remote_vectors[name]`` the same way. A replica that stops says goodbye (signed) and stops
-  counting at once; one that dies, when its key expires or its sequence stops growing (:mod:`.peers`: a
-  replay does not grow it): within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
+  ``Worker.remote_vectors[name]`` the same way. A replica that stops says goodbye (signed); one that dies
+  stops counting when its key expires or its sequence stops growing (:mod:`.peers`): ``STALENESS_BOUND_S``.
   A decision reads the last counts that arrived, then (reservation on) waits at most
   ``--state-reserve-ms`` for one atomic round trip that picks and reserves the slot.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
@@ -59,7 +58,7 @@ log = logging.getLogger("eldr.proxy.state")
 
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
-STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
+STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S  # 1.3 s: TTL + one heartbeat
 MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
 
 
@@ -230,8 +229,9 @@ class RedisState(ChannelsMixin, LocalState):
         if replica is not None and msg.origin != replica:
             self.env.reject("malformed", origin=msg.origin)  # a valid value copied under another name
             return None
-        if self.peers.ended(msg.origin):  # any message of a replica that said goodbye is a replay
-            self.env.reject("ended", origin=msg.origin)
+        if self.peers.ended(msg.origin):  # after its goodbye (read again from its key: no replay), a replay
+            if msg.kind != "bye":
+                self.env.reject("ended", origin=msg.origin)
             return None
         if msg.kind == "bye":
             self._gone(msg.origin)
