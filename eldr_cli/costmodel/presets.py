@@ -1,6 +1,7 @@
 """Named model and device presets for the roofline cost model (`eldr bench cost-model`).
 
-Model facts are the public Hugging Face ``config.json`` values; device facts are the vendors' HBM
+Model facts are the public Hugging Face ``config.json`` values, normalised by :func:`model_facts` into
+:class:`ModelFacts` (what the roofline and the deployment check read); device facts are the vendors' HBM
 bandwidth, peak *dense* BF16 tensor FLOP/s (no structured sparsity) and HBM capacity per GPU.
 """
 
