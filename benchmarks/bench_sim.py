@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import subprocess
@@ -345,6 +346,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
     emu = proxy = None
     # 3 req/s: the tiny-model task prompts (~240 tokens) saturate two prefill workers of the CPU cost
     # model near 4 req/s (tests/test_bench_emulator.py checks 10 req/s with a lighter, given cost model)
+    token = secrets.token_urlsafe(32)  # an admin token holds 256 bits
     res = {"config": "2P4D", "rate": 3.0, "duration_s": 30.0, "warmup_s": 5.0, "max_tokens": 64, "routers": []}
     try:
         emu = _start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
@@ -358,11 +360,11 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
             args += ["--prefill", u]
         for u in info["decode"]:
             args += ["--decode", u]
-        proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": "bench"})
+        proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": token})
         wait_http(f"http://127.0.0.1:{base + 6}/health", 90, proc=proxy, log=work / "proxy.log")
         kw = dict(rates=[3.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
         run_bench(work / "emulated", url=f"http://127.0.0.1:{base + 6}", prompts=trace, routers=["round-robin", "eldr"],
-                  admin_token="bench", cluster_file=work / "cluster.json", live=False, console=None, **kw)
+                  admin_token=token, cluster_file=work / "cluster.json", live=False, console=None, **kw)
         run_simulate(work / "simulated", trace=trace, cost_model=cost, routing=work / "fit4",
                      routers=["round-robin", "eldr"], n_prefill=2, n_decode=4, **kw)
         e = json.loads((work / "emulated" / "summary.json").read_text())["runs"]

@@ -310,7 +310,7 @@ def roofline_step_error(gpu: str, step: dict, head: dict | None = None) -> dict:
 
 
 def roofline_error(gpu: str, moe: dict, attn: list[dict]) -> dict:
-    from eldr_cli.costmodel.calibration import calibrated
+    from eldr_cli.costmodel.roofline import calibrated
 
     preset, r = _qwen_roofline(gpu)
     if r is None:

@@ -274,7 +274,7 @@ def _start_cluster(a, out: Path, procs: Procs, trace: Path, cost: Path, fit: Pat
     info = json.loads(cluster.read_text())
     proxy_port = base + a.prefill + a.decode
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    token = secrets.token_hex(8)
+    token = secrets.token_urlsafe(32)  # an admin token holds 256 bits
     if "serve_proxy" not in COMMAND_MODULES:
         missing.append("`eldr serve-proxy` (issue 4) is not registered: no sweep possible")
         raise SystemExit("the proxy is missing")

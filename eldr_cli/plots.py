@@ -175,3 +175,24 @@ def _top2_axes(Xc: np.ndarray) -> np.ndarray:
     if k < 2:
         V = np.concatenate([V, np.zeros((d, 2 - k))], axis=1)
     return V
+
+
+def moe_layer_cost(path: Path, rows: list[dict], model, facts: dict) -> Path:
+    """Fig. 2: one MoE layer's time against distinct active experts, one line per batch size."""
+    pl = plt()
+    fig, ax = pl.subplots(figsize=(6, 3.6))
+    batches = sorted({r["batch"] for r in rows})
+    cmap = pl.get_cmap("viridis")
+    for i, b in enumerate(batches):
+        pts = sorted((r["active_experts"], r["ms"]) for r in rows if r["batch"] == b)
+        x, y = np.array(pts).T
+        col = cmap(i / max(1, len(batches) - 1))
+        ax.plot(x, y, "o", color=col, ms=4, label=f"batch {b}")
+        ax.plot(x, model.a_ms + model.b_ms * x + model.c_ms * b, "-", color=col, lw=0.8)
+    ax.set_xlabel("distinct active experts in the step")
+    ax.set_ylabel("MoE layer time (ms)")
+    ax.set_title(f"One MoE layer on this CPU (torch {facts['dtype']}, {facts['threads']} threads): "
+                 f"E={facts['num_experts']}, H={facts['hidden']}, I={facts['intermediate']}, k={facts['top_k']}\n"
+                 f"fit: {model.a_ms:.2f} + {model.b_ms:.3f}*active + {model.c_ms:.4f}*tokens ms", fontsize=8)
+    ax.legend(fontsize=7)
+    return save(fig, path)

@@ -23,6 +23,7 @@ from eldr_cli.testing.servers import wait_file, wait_http
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
+TOKEN = "pP3uG-8vQk2Zr6XyT1bW0nLh5sJd9aFcE4mKo7iRqYw"  # an admin token must hold 256 bits (issue 36)
 
 
 def _start(args, log: Path, env=None) -> subprocess.Popen:
@@ -42,7 +43,7 @@ def _stop(p: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def _emulated_cluster(d: Path):
-    """`eldr emulate` 2P4D over d/trace and d/cost + `eldr serve-proxy` with d/fit (admin token t0ken);
+    """`eldr emulate` 2P4D over d/trace and d/cost + `eldr serve-proxy` with d/fit (admin token TOKEN);
     yields (cluster info, proxy URL); stops both on exit."""
     base = free_port_range(7)
     procs = []
@@ -59,7 +60,7 @@ def _emulated_cluster(d: Path):
             args += ["--prefill", u]
         for u in info["decode"]:
             args += ["--decode", u]
-        procs.append(_start(args, d / "proxy.log", env={"ELDR_ADMIN_TOKEN": "t0ken"}))
+        procs.append(_start(args, d / "proxy.log", env={"ELDR_ADMIN_TOKEN": TOKEN}))
         wait_http(f"http://127.0.0.1:{proxy_port}/health", proc=procs[1], log=d / "proxy.log")
         yield info, f"http://127.0.0.1:{proxy_port}"
     finally:
@@ -87,7 +88,7 @@ def cluster(tmp_path_factory):
 def _sweep_and_simulate(d: Path, proxy: str, common: list[str], sweep_only: tuple = ()) -> tuple[dict, dict]:
     """`bench sweep` through the proxy of the emulated cluster in d and `bench simulate` of the same
     trace, cost model and fit with the same ``common`` arguments -> (emulated summary, simulated summary)."""
-    with mock.patch.dict(os.environ, {"ELDR_ADMIN_TOKEN": "t0ken"}):  # never a secret on the command line
+    with mock.patch.dict(os.environ, {"ELDR_ADMIN_TOKEN": TOKEN}):  # never a secret on the command line
         rc = run(["bench", "sweep", "--url", proxy, "--cluster", str(d / "cluster.json"),
                   "--out", str(d / "emulated"), "--no-live", *sweep_only, *common])
     assert rc == 0

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+TOKEN = "pP3uG-8vQk2Zr6XyT1bW0nLh5sJd9aFcE4mKo7iRqYw"  # an admin token must hold 256 bits (issue 36): 43 base64url
 ENV = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
 
 
@@ -512,7 +513,7 @@ def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, inte
     sys.path.insert(0, str(Path(__file__).parent))
     from _proxy_util import Cluster
 
-    c = Cluster(n_prefill=1, n_decode=2, policy="jsq", admin_token="secret",
+    c = Cluster(n_prefill=1, n_decode=2, policy="jsq", admin_token=TOKEN,
                 stub_kw={"token_delay_s": 0.05 if interrupt else 0.0})
     ws = tmp_path / "ws"
     shutil.copytree(workspace, ws, symlinks=True)
@@ -520,7 +521,7 @@ def test_bench_sweep_puts_the_proxy_back_on_its_policy(workspace, tmp_path, inte
             "--routers", "round-robin,p2c", "--rates", "4",
             "--duration", "30" if interrupt else "1", "--warmup", "0", "--max-tokens", "4", "--out", "sweep",
             "--no-live"]
-    p = subprocess.Popen(argv, cwd=ws, env={**ENV, "ELDR_ADMIN_TOKEN": "secret"}, stdout=subprocess.PIPE,
+    p = subprocess.Popen(argv, cwd=ws, env={**ENV, "ELDR_ADMIN_TOKEN": TOKEN}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     if interrupt:
         t0 = time.monotonic()

@@ -4,8 +4,9 @@ what it changes in the decision."""
 import numpy as np
 import pytest
 
-from eldr_cli.method.live import DecodeActivation, prefill_frequency, shrink
+from eldr_cli.method.live import DecodeActivation
 from eldr_cli.method.live_quality import choose, predictor_quality
+from eldr_cli.method.shrinkage import prefill_frequency, shrink
 from eldr_cli.routing import RoutingModel, make_router
 from eldr_cli.routing.live import LiveDetail
 

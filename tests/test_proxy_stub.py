@@ -17,6 +17,7 @@ from eldr_cli.routing import RoutingModel, make_router
 from eldr_cli.routing.policies import DomainPolicy
 from eldr_cli.testing.stub_worker import fake_counts
 
+TOKEN = "pP3uG-8vQk2Zr6XyT1bW0nLh5sJd9aFcE4mKo7iRqYw"  # an admin token must hold 256 bits (issue 36): 43 base64url
 PROMPTS = [f"request {i}: explain topic number {i * 7} in a few words" for i in range(12)]
 
 
@@ -32,7 +33,7 @@ def routing4(tmp_path_factory):
 
 @pytest.fixture()
 def cluster(routing3, tmp_path):
-    c = Cluster(routing=str(routing3), policy="eldr", admin_token="s3cret",
+    c = Cluster(routing=str(routing3), policy="eldr", admin_token=TOKEN,
                 decision_log=str(tmp_path / "decisions.jsonl"), max_body_bytes=4096)
     yield c
     c.close()
@@ -252,7 +253,7 @@ def test_scrape_running_combines_with_inflight():
 
 def test_admin_endpoints(cluster, routing3, routing4):
     url = cluster.url
-    auth = {"Authorization": "Bearer s3cret"}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.post(url + "/admin/policy", json={"policy": "jsq"}).status_code == 401
     assert httpx.post(url + "/admin/policy", json={"policy": "jsq"},
                       headers={"Authorization": "Bearer nope"}).status_code == 401

@@ -22,6 +22,7 @@ from eldr_cli.routing import RoutingModel
 from eldr_cli.routing.model import load_routing_artifact
 from eldr_cli.synth import synthetic_trace
 
+TOKEN = "pP3uG-8vQk2Zr6XyT1bW0nLh5sJd9aFcE4mKo7iRqYw"  # an admin token must hold 256 bits (issue 36): 43 base64url
 SHAPE = dict(n_requests=800, num_layers=4, num_experts=16, top_k=4, decode_steps=8, seed=3)
 
 
@@ -39,7 +40,7 @@ def served(tmp_path_factory):
     skew = synthetic_trace(**(SHAPE | {"domain_weights": [0.7, 0.1, 0.1, 0.1]})).prefill_counts[:240]
     table = {f"row {i}": c for i, c in enumerate(skew)}
     c = Cluster(n_decode=4, routing=str(fit), policy="jsq", decision_log=str(d / "log.jsonl"), decision_log_replay=True,
-                admin_token="s3cret", stub_kw={"counts_fn": table.__getitem__})
+                admin_token=TOKEN, stub_kw={"counts_fn": table.__getitem__})
     try:
         with httpx.Client() as h:
             for i in range(len(skew)):
@@ -50,7 +51,7 @@ def served(tmp_path_factory):
                      str(d / "refit"), "--seed", "0"]) == 0
         # the admin API swaps the refitted artifact in; the decisions after it name it
         r = httpx.post(c.url + "/admin/reload", json={"routing": str(d / "refit")},
-                       headers={"authorization": "Bearer s3cret"})
+                       headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200, r.text
         for i in range(5):
             assert httpx.post(c.url + "/v1/completions", json={"prompt": f"row {i}", "max_tokens": 1}).status_code \

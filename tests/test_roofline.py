@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from eldr_cli.costmodel import CostModel
-from eldr_cli.costmodel.calibration import attention_rows, calibrated, calibration_for, moe_rows
+from eldr_cli.costmodel.calibration import attention_rows, calibration_for, moe_rows
 from eldr_cli.costmodel.presets import DEVICES, DTYPE_BYTES, MODELS, device_facts
-from eldr_cli.costmodel.roofline import CALIBRATION, Roofline, build, model_facts
+from eldr_cli.costmodel.roofline import CALIBRATION, Roofline, build, calibrated, model_facts
 from eldr_cli.errors import EldrError
 
 

@@ -1,5 +1,6 @@
-"""Bench figures: Fig. 2 (MoE layer cost), Fig. 11 (TPOT/TTFT vs rate per router), Fig. 13 (active
-experts per decode step vs batch size per router). Emulated and simulated results say so in the title."""
+"""Bench figures: Fig. 11 (TPOT/TTFT vs rate per router), Fig. 13 (active experts per decode step vs batch
+size per router). Emulated and simulated results say so in the title. Fig. 2 (one MoE layer's cost, drawn
+by ``bench moe-layer`` in the cost model below this package) is in :mod:`eldr_cli.plots`."""
 
 from __future__ import annotations
 
@@ -11,27 +12,6 @@ from eldr_cli import plots
 
 MODE_LABEL = {"real": "measured (real engine)", "emulated": "EMULATED cluster (cost model)",
               "simulated": "SIMULATED (discrete-event, cost model)"}
-
-
-def moe_layer_cost(path: Path, rows: list[dict], model, facts: dict) -> Path:
-    """Fig. 2: one MoE layer's time against distinct active experts, one line per batch size."""
-    plt = plots.plt()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    batches = sorted({r["batch"] for r in rows})
-    cmap = plt.get_cmap("viridis")
-    for i, b in enumerate(batches):
-        pts = sorted((r["active_experts"], r["ms"]) for r in rows if r["batch"] == b)
-        x, y = np.array(pts).T
-        col = cmap(i / max(1, len(batches) - 1))
-        ax.plot(x, y, "o", color=col, ms=4, label=f"batch {b}")
-        ax.plot(x, model.a_ms + model.b_ms * x + model.c_ms * b, "-", color=col, lw=0.8)
-    ax.set_xlabel("distinct active experts in the step")
-    ax.set_ylabel("MoE layer time (ms)")
-    ax.set_title(f"One MoE layer on this CPU (torch {facts['dtype']}, {facts['threads']} threads): "
-                 f"E={facts['num_experts']}, H={facts['hidden']}, I={facts['intermediate']}, k={facts['top_k']}\n"
-                 f"fit: {model.a_ms:.2f} + {model.b_ms:.3f}*active + {model.c_ms:.4f}*tokens ms", fontsize=8)
-    ax.legend(fontsize=7)
-    return plots.save(fig, path)
 
 
 def sweep_figure(path: Path, runs: list[dict], mode: str, title: str = "") -> Path:

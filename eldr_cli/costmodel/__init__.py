@@ -172,6 +172,18 @@ def model_mismatch(params: dict, n_layers: int, num_experts: int) -> str | None:
     return f"is a {what} of {params.get('model')} (L={L}, E={E}), not of a model with L={n_layers}, E={num_experts}"
 
 
+def check_model(path: str | os.PathLike, n_layers: int, num_experts: int) -> None:
+    """Refuse the cost model at ``path`` for a trace of another model (L or E): a roofline or a measured
+    decode step describes one model; a measured MoE layer alone is per layer and per expert, never refused."""
+    from eldr_cli.artifacts.store import Artifact
+
+    why = model_mismatch(Artifact(path).params, n_layers, num_experts)
+    if why:
+        raise EldrError(f"the cost model {path} {why} (the trace's)",
+                        hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ... "
+                             "(or eldr bench decode-step on its GPU)")
+
+
 def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict | None = None,
                      metrics: dict | None = None, tables: dict | None = None, figures=None) -> Path:
     from eldr_cli.artifacts.store import ArtifactWriter

@@ -5,7 +5,8 @@ bandwidth for expert-weight reads and for KV reads, the achieved fraction of pea
 cost of one MoE layer per measured shape (model, TP, dtype) and of one decode-attention layer. They were
 fitted (``tools/fit_gpu_calibration.py``: least maximal relative error over every row with batch >= 8) to
 the tables beside it, copied unchanged from the measurements' source (``SOURCE``). A device without a
-measurement gets no calibration here and the roofline says so (see :func:`calibration_for`).
+measurement gets no calibration here and the roofline says so (see :func:`calibration_for`;
+the roofline's constants for a device, measured or not: :func:`eldr_cli.costmodel.roofline.calibrated`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,6 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from eldr_cli.costmodel.roofline import Roofline
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 SOURCE = ("MEASURED 2026-11-26 on one NVIDIA H100 80GB HBM3 and one NVIDIA H200, torch 2.11.0+cu130, CUDA-event "
@@ -95,36 +92,3 @@ def attention_rows(device: str) -> list[tuple[int, int, int, float]]:
         return []
     rows = json.loads((DATA / name).read_text())["rows"]
     return [(r["batch"], r["context"], r["kv_bytes"], r["graph_ms"]) for r in rows if r["batch"] >= MIN_BATCH]
-
-
-def calibrated(device: str | None, model: str, dtype: str) -> tuple[Callable[[int], dict], dict]:
-    """(tp -> the Roofline's calibrated keyword arguments, the artifact's ``calibration`` params without
-    the shape-dependent MoE fixed cost). A device preset with a shipped measurement (see
-    :mod:`eldr_cli.costmodel.calibration`) takes every constant from it; any other keeps the assumed
-    efficiency and the MoE fixed cost solved from the paper's MI300X ratio, and says it is not measured."""
-    from eldr_cli.costmodel.roofline import BANDWIDTH_EFFICIENCY, CALIBRATION, calibrate
-
-    cal = calibration_for(device) if device else None
-    if cal is None:
-        overhead = calibrate()
-        kw = {"efficiency": BANDWIDTH_EFFICIENCY, "attn_fixed_us": 0.0, "moe_fixed_us": overhead,
-              "kv_efficiency": BANDWIDTH_EFFICIENCY, "compute_efficiency": 1.0}
-        doc = {**kw, "measured": False, "provenance": (
-            f"roofline NOT calibrated on a measurement of {device or 'this custom GPU'}: bandwidth efficiency "
-            f"{BANDWIDTH_EFFICIENCY} assumed, MoE fixed cost {overhead:.1f} us solved from the ELDR paper's "
-            f"Fig. 2 ratio on MI300X"), "fig2": {**CALIBRATION, "active": list(CALIBRATION["active"])}}
-        return (lambda tp: kw), doc
-    base = {"efficiency": cal.weight_efficiency, "attn_fixed_us": cal.attn_fixed_us,
-            "kv_efficiency": cal.kv_efficiency, "compute_efficiency": cal.compute_efficiency}
-    doc = {**base, "measured": True, "gpu": cal.gpu, "source": cal.source, "notes": cal.notes,
-           "provenance": f"roofline calibrated on measurements of {cal.gpu} ({device} preset)"}
-    return (lambda tp: {**base, "moe_fixed_us": cal.moe_fixed(model, tp, dtype)[0]}), doc
-
-
-def calibration_params(device: str | None, model: str, r: Roofline) -> dict:
-    """The ``calibration`` params of a roofline artifact, the shape's MoE fixed cost and its provenance."""
-    _, doc = calibrated(device, model, r.dtype)
-    cal = calibration_for(device) if device else None
-    how = cal.moe_fixed(model, r.tp, r.dtype)[1] if cal else "solved from the MI300X Fig. 2 ratio"
-    return {**doc, "moe_fixed_us": r.moe_fixed_us, "moe_fixed_how": how,
-            "provenance": f"{doc['provenance']}; MoE fixed cost {r.moe_fixed_us:.0f} us per layer ({how})"}

@@ -20,13 +20,34 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-from eldr_cli.costmodel.presets import DTYPE_BYTES
+from eldr_cli.costmodel.presets import DTYPE_BYTES, ModelFacts
 from eldr_cli.errors import EldrError
 
-if TYPE_CHECKING:
-    from eldr_cli.costmodel.roofline import ModelFacts, Roofline
+
+class Sharded(Protocol):
+    """What a deployment reads of a model sharded on GPUs (a :class:`eldr_cli.costmodel.roofline.Roofline`,
+    which sits above this module and builds on it)."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def kv_bytes_per_token_gpu(self) -> float: ...
+    def weights_resident_bytes(self) -> float: ...
+
+
+R = TypeVar("R", bound=Sharded)
 
 GPU_MEMORY_UTILIZATION = 0.9
 MIN_KV_TOKENS = 65536
@@ -79,7 +100,7 @@ def model_weights_bytes(facts: ModelFacts, dtype: str) -> float:
     return (facts.dense_params + facts.embed_params + experts) * DTYPE_BYTES[dtype]
 
 
-def deployment_of(r: Roofline, *, hbm_gb: float, util: float = GPU_MEMORY_UTILIZATION,
+def deployment_of(r: Sharded, *, hbm_gb: float, util: float = GPU_MEMORY_UTILIZATION,
                   min_kv_tokens: int = MIN_KV_TOKENS) -> Deployment:
     """Memory and KV capacity of one instance of ``r``'s sharding on GPUs of ``hbm_gb`` each."""
     w_gpu = r.weights_resident_bytes()
@@ -113,9 +134,9 @@ def no_fit_message(d: Deployment, model: str, device: str) -> str:
             f"the minimum pool of {d.min_kv_tokens:,}")
 
 
-def plan(make: Callable[[int], Roofline], facts: ModelFacts, *, model: str, device: str, tp: int | None, ep: int,
+def plan(make: Callable[[int], R], facts: ModelFacts, *, model: str, device: str, tp: int | None, ep: int,
          hbm_gb: float, util: float = GPU_MEMORY_UTILIZATION,
-         min_kv_tokens: int = MIN_KV_TOKENS) -> tuple[Roofline, Deployment]:
+         min_kv_tokens: int = MIN_KV_TOKENS) -> tuple[R, Deployment]:
     """The roofline and deployment for ``tp`` (checked), or the smallest TP that fits when ``tp`` is None.
     ``make(tp)`` builds the roofline of one TP degree."""
     if not 0 < util <= 1:

@@ -332,7 +332,7 @@ def run_moe_layer(out: str | os.PathLike, *, num_experts: int = 64, hidden: int 
                   backend: str = "auto", launch: str = "auto", progress=None) -> Path:
     import polars as pl
 
-    from eldr_cli.bench import figures as plots
+    from eldr_cli import plots
 
     if not batches or not actives or min(batches) < 1 or min(actives) < 1:
         raise EldrError("batch sizes and active expert counts must be positive integers")

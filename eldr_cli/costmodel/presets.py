@@ -1,6 +1,7 @@
 """Named model and device presets for the roofline cost model (`eldr bench cost-model`).
 
-Model facts are the public Hugging Face ``config.json`` values; device facts are the vendors' HBM
+Model facts are the public Hugging Face ``config.json`` values, normalised by :func:`model_facts` into
+:class:`ModelFacts` (what the roofline and the deployment check read); device facts are the vendors' HBM
 bandwidth, peak *dense* BF16 tensor FLOP/s (no structured sparsity) and HBM capacity per GPU.
 """
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eldr_cli.errors import EldrError
 
@@ -89,3 +92,61 @@ def device_facts(name: str) -> tuple[str, float, float, float]:
     """(name, HBM TB/s, dense BF16 TFLOP/s, HBM GB per GPU)."""
     hit, (bw, tf, gb) = _lookup(DEVICES, name, "device")
     return hit, bw, tf, gb
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    n_layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    heads: int
+    expert_params: int          # one routed expert (gate, up, down)
+    dense_params: int           # every non-routed weight read per step (incl. LM head)
+    kv_elems_per_token_layer: int
+    attn_dim: int               # heads * head dim (attention FLOPs per context token)
+    kv_heads: int = 0           # KV heads split over TP ranks; 0 = an MLA latent cache (every rank holds it)
+    embed_params: int = 0       # the input embedding table when untied (resident, only B rows read)
+
+
+def model_facts(cfg: dict) -> ModelFacts:
+    """Normalise a Hugging Face config (Qwen-MoE, Mixtral, GPT-OSS, DeepSeek-V3, Llama-4 layouts)."""
+    def g(key: str) -> Any:
+        return cfg.get(key)
+    E = g("num_experts") or g("num_local_experts") or g("n_routed_experts") or 0
+    k = g("num_experts_per_tok") or g("moe_topk") or 0
+    if not E or not k or E < 2:
+        raise EldrError("--model: config.json is not a mixture-of-experts model (no num_experts / "
+                        "num_local_experts / n_routed_experts with num_experts_per_tok)")
+    try:
+        H, L = int(g("hidden_size")), int(g("num_hidden_layers"))
+        heads = int(g("num_attention_heads"))
+    except (TypeError, ValueError):
+        raise EldrError("--model: config.json lacks hidden_size / num_hidden_layers / num_attention_heads") from None
+    kvh = int(g("num_key_value_heads") or heads)
+    hd = int(g("head_dim") or H // heads)
+    I_e = int(g("moe_intermediate_size") or g("intermediate_size"))
+    I_d = int(g("intermediate_size_mlp") or g("intermediate_size") or I_e)
+    first_dense = int(g("first_k_dense_replace") or 0)
+    step = int(g("interleave_moe_layer_step") or g("decoder_sparse_step") or 1)
+    moe_layers = sum(1 for i in range(L) if i >= first_dense and (i + 1) % step == 0)
+    shared = int(g("n_shared_experts") or (1 if g("shared_expert_intermediate_size") else 0))
+    I_s = int(g("shared_expert_intermediate_size") or I_e)
+    if g("kv_lora_rank"):  # MLA: low-rank q and joint kv, cache holds the compressed kv + rope key
+        qr, kr, rope = int(g("q_lora_rank") or 0), int(g("kv_lora_rank")), int(g("qk_rope_head_dim"))
+        nope, vd = int(g("qk_nope_head_dim")), int(g("v_head_dim"))
+        q = H * qr + qr * heads * (nope + rope) if qr else H * heads * (nope + rope)
+        attn = q + H * (kr + rope) + kr * heads * (nope + vd) + heads * vd * H
+        kv_elems, attn_dim = kr + rope, heads * (nope + rope)
+    else:
+        attn = H * heads * hd * 2 + 2 * H * kvh * hd
+        kv_elems, attn_dim = 2 * kvh * hd, heads * hd
+    dense_mlp = 3 * H * I_d
+    dense = L * attn + (L - moe_layers) * dense_mlp + moe_layers * (shared * 3 * H * I_s + H * E)
+    vocab = int(g("vocab_size") or 0)
+    dense += vocab * H  # LM head (the embedding lookup reads only B rows)
+    return ModelFacts(n_layers=L, moe_layers=moe_layers, num_experts=int(E), top_k=int(k), hidden=H, heads=heads,
+                      expert_params=3 * H * I_e, dense_params=dense, kv_elems_per_token_layer=kv_elems,
+                      attn_dim=attn_dim, kv_heads=0 if g("kv_lora_rank") else kvh,
+                      embed_params=0 if g("tie_word_embeddings") else vocab * H)

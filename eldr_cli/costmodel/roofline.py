@@ -35,11 +35,12 @@ import os
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Callable, TypedDict
 
 import numpy as np
 
 from eldr_cli.costmodel import CostModel, StepTerms, step_ms_from_terms, write_cost_model
+from eldr_cli.costmodel.calibration import calibration_for
 from eldr_cli.costmodel.deployment import (
     DEPLOYMENT_KEYS,
     GPU_MEMORY_UTILIZATION,
@@ -48,7 +49,7 @@ from eldr_cli.costmodel.deployment import (
     deployment_from_params,
     plan,
 )
-from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, device_facts, model_config
+from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, ModelFacts, device_facts, model_config, model_facts
 from eldr_cli.errors import EldrError
 
 
@@ -67,64 +68,6 @@ CALIBRATION: Calibration = {"device": "MI300X", "model": "Qwen3-30B-A3B", "batch
 # measured decode kernels), not fitted, because Fig. 2 gives a ratio and a ratio pins one constant.
 BANDWIDTH_EFFICIENCY = 0.75
 KV_BYTES = 2.0  # KV cache kept in bf16 whatever the weight dtype
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    n_layers: int
-    moe_layers: int
-    num_experts: int
-    top_k: int
-    hidden: int
-    heads: int
-    expert_params: int          # one routed expert (gate, up, down)
-    dense_params: int           # every non-routed weight read per step (incl. LM head)
-    kv_elems_per_token_layer: int
-    attn_dim: int               # heads * head dim (attention FLOPs per context token)
-    kv_heads: int = 0           # KV heads split over TP ranks; 0 = an MLA latent cache (every rank holds it)
-    embed_params: int = 0       # the input embedding table when untied (resident, only B rows read)
-
-
-def model_facts(cfg: dict) -> ModelFacts:
-    """Normalise a Hugging Face config (Qwen-MoE, Mixtral, GPT-OSS, DeepSeek-V3, Llama-4 layouts)."""
-    def g(key: str) -> Any:
-        return cfg.get(key)
-    E = g("num_experts") or g("num_local_experts") or g("n_routed_experts") or 0
-    k = g("num_experts_per_tok") or g("moe_topk") or 0
-    if not E or not k or E < 2:
-        raise EldrError("--model: config.json is not a mixture-of-experts model (no num_experts / "
-                        "num_local_experts / n_routed_experts with num_experts_per_tok)")
-    try:
-        H, L = int(g("hidden_size")), int(g("num_hidden_layers"))
-        heads = int(g("num_attention_heads"))
-    except (TypeError, ValueError):
-        raise EldrError("--model: config.json lacks hidden_size / num_hidden_layers / num_attention_heads") from None
-    kvh = int(g("num_key_value_heads") or heads)
-    hd = int(g("head_dim") or H // heads)
-    I_e = int(g("moe_intermediate_size") or g("intermediate_size"))
-    I_d = int(g("intermediate_size_mlp") or g("intermediate_size") or I_e)
-    first_dense = int(g("first_k_dense_replace") or 0)
-    step = int(g("interleave_moe_layer_step") or g("decoder_sparse_step") or 1)
-    moe_layers = sum(1 for i in range(L) if i >= first_dense and (i + 1) % step == 0)
-    shared = int(g("n_shared_experts") or (1 if g("shared_expert_intermediate_size") else 0))
-    I_s = int(g("shared_expert_intermediate_size") or I_e)
-    if g("kv_lora_rank"):  # MLA: low-rank q and joint kv, cache holds the compressed kv + rope key
-        qr, kr, rope = int(g("q_lora_rank") or 0), int(g("kv_lora_rank")), int(g("qk_rope_head_dim"))
-        nope, vd = int(g("qk_nope_head_dim")), int(g("v_head_dim"))
-        q = H * qr + qr * heads * (nope + rope) if qr else H * heads * (nope + rope)
-        attn = q + H * (kr + rope) + kr * heads * (nope + vd) + heads * vd * H
-        kv_elems, attn_dim = kr + rope, heads * (nope + rope)
-    else:
-        attn = H * heads * hd * 2 + 2 * H * kvh * hd
-        kv_elems, attn_dim = 2 * kvh * hd, heads * hd
-    dense_mlp = 3 * H * I_d
-    dense = L * attn + (L - moe_layers) * dense_mlp + moe_layers * (shared * 3 * H * I_s + H * E)
-    vocab = int(g("vocab_size") or 0)
-    dense += vocab * H  # LM head (the embedding lookup reads only B rows)
-    return ModelFacts(n_layers=L, moe_layers=moe_layers, num_experts=int(E), top_k=int(k), hidden=H, heads=heads,
-                      expert_params=3 * H * I_e, dense_params=dense, kv_elems_per_token_layer=kv_elems,
-                      attn_dim=attn_dim, kv_heads=0 if g("kv_lora_rank") else kvh,
-                      embed_params=0 if g("tie_word_embeddings") else vocab * H)
 
 
 @dataclass(frozen=True)
@@ -322,6 +265,37 @@ def calibrate(efficiency: float = BANDWIDTH_EFFICIENCY) -> float:
     return max((t_hi - ratio * t_lo) / (ratio - 1), 0.0) * 1e6
 
 
+def calibrated(device: str | None, model: str, dtype: str) -> tuple[Callable[[int], dict], dict]:
+    """(tp -> the Roofline's calibrated keyword arguments, the artifact's ``calibration`` params without
+    the shape-dependent MoE fixed cost). A device preset with a shipped measurement (see
+    :mod:`eldr_cli.costmodel.calibration`) takes every constant from it; any other keeps the assumed
+    efficiency and the MoE fixed cost solved from the paper's MI300X ratio, and says it is not measured."""
+    cal = calibration_for(device) if device else None
+    if cal is None:
+        overhead = calibrate()
+        kw = {"efficiency": BANDWIDTH_EFFICIENCY, "attn_fixed_us": 0.0, "moe_fixed_us": overhead,
+              "kv_efficiency": BANDWIDTH_EFFICIENCY, "compute_efficiency": 1.0}
+        doc = {**kw, "measured": False, "provenance": (
+            f"roofline NOT calibrated on a measurement of {device or 'this custom GPU'}: bandwidth efficiency "
+            f"{BANDWIDTH_EFFICIENCY} assumed, MoE fixed cost {overhead:.1f} us solved from the ELDR paper's "
+            f"Fig. 2 ratio on MI300X"), "fig2": {**CALIBRATION, "active": list(CALIBRATION["active"])}}
+        return (lambda tp: kw), doc
+    base = {"efficiency": cal.weight_efficiency, "attn_fixed_us": cal.attn_fixed_us,
+            "kv_efficiency": cal.kv_efficiency, "compute_efficiency": cal.compute_efficiency}
+    doc = {**base, "measured": True, "gpu": cal.gpu, "source": cal.source, "notes": cal.notes,
+           "provenance": f"roofline calibrated on measurements of {cal.gpu} ({device} preset)"}
+    return (lambda tp: {**base, "moe_fixed_us": cal.moe_fixed(model, tp, dtype)[0]}), doc
+
+
+def calibration_params(device: str | None, model: str, r: Roofline) -> dict:
+    """The ``calibration`` params of a roofline artifact, the shape's MoE fixed cost and its provenance."""
+    _, doc = calibrated(device, model, r.dtype)
+    cal = calibration_for(device) if device else None
+    how = cal.moe_fixed(model, r.tp, r.dtype)[1] if cal else "solved from the MI300X Fig. 2 ratio"
+    return {**doc, "moe_fixed_us": r.moe_fixed_us, "moe_fixed_how": how,
+            "provenance": f"{doc['provenance']}; MoE fixed cost {r.moe_fixed_us:.0f} us per layer ({how})"}
+
+
 def build(model: str | os.PathLike, *, device: str | None = None, hbm_tbps: float | None = None,
           tflops: float | None = None, hbm_gb: float | None = None, dtype: str = "bf16", tp: int | None = None,
           ep: int = 1, gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
@@ -341,8 +315,6 @@ def build(model: str | os.PathLike, *, device: str | None = None, hbm_tbps: floa
         raise EldrError("give --device NAME, or --hbm-tbps, --tflops and --hbm-gb (a custom GPU)")
     if min(bw, tf) <= 0:
         raise EldrError("--hbm-tbps and --tflops must be > 0")
-    from eldr_cli.costmodel.calibration import calibrated
-
     const, _ = calibrated(dev if device else None, name, dtype)
     r, d = plan(lambda t: Roofline(facts, bw, tf, dtype=dtype, tp=t, ep=ep, **const(t)), facts,
                 model=name, device=dev, tp=tp, ep=ep, hbm_gb=gb, util=gpu_memory_utilization,
@@ -358,8 +330,6 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
     """Write a `cost-model` artifact (source "roofline") usable by the simulator and the emulator; its
     params carry the deployment (``tp``, ``ep``, ``dtype``, ``gpus_per_instance``, ``kv_capacity_tokens``
     and the rest under ``deployment``)."""
-    from eldr_cli.costmodel.calibration import calibration_params
-
     if context < 0:
         raise EldrError("--context must be >= 0")
     name, dev, r, d = build(model, device=device, hbm_tbps=hbm_tbps, tflops=tflops, hbm_gb=hbm_gb, dtype=dtype,

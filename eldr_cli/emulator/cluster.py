@@ -13,7 +13,7 @@ from aiohttp import web
 
 from eldr_cli.artifacts.trace import read_trace
 from eldr_cli.bench.client import new_event_loop
-from eldr_cli.costmodel import CostModel
+from eldr_cli.costmodel import CostModel, check_model
 from eldr_cli.emulator.app import make_app
 from eldr_cli.emulator.workers import DecodeWorker, PrefillWorker
 from eldr_cli.errors import EldrError
@@ -74,12 +74,10 @@ def serve_cluster(*, trace, cost_model, n_prefill: int, n_decode: int, host: str
         raise EldrError("--prefill and --decode must be >= 1")
     if not (0 < base_port and base_port + n_prefill + n_decode <= 65536):
         raise EldrError(f"--base-port {base_port} leaves no room for {n_prefill + n_decode} ports")
-    from eldr_cli.pipeline.simulate import check_cost_model
-
     cost = CostModel.load(cost_model)
     tr = read_trace(trace)
     replay = TraceReplay(tr, cost)
-    check_cost_model(replay, cost_model)
+    check_model(cost_model, replay.n_layers, replay.num_experts)  # a roofline of another model: refused
     if split is None:
         has_eval = "split" in tr.requests.columns and bool((tr.column("split") == "evaluation").any())
         split = "evaluation" if has_eval else "all"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eldr_cli.method.live import (
+from eldr_cli.method.shrinkage import (
     LOSS_FLOOR,
     MAX_ACTIVATION,
     loo_prototype_means,

@@ -49,14 +49,9 @@ def trace_items(replay: TraceReplay, split: str | None) -> tuple[list[PromptItem
 
 def check_cost_model(replay: TraceReplay, cost_model: str | Path) -> None:
     """A roofline or a measured decode step describes one model: refuse it for a trace of another (L or E)."""
-    from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.costmodel import model_mismatch
+    from eldr_cli.costmodel import check_model
 
-    why = model_mismatch(Artifact(cost_model).params, replay.n_layers, replay.num_experts)
-    if why:  # a measured MoE layer alone is model-agnostic per layer and per expert: never refused
-        raise EldrError(f"the cost model {cost_model} {why} (the trace's)",
-                        hint="write one for the trace's model: eldr bench cost-model --model CONFIG --device ... "
-                             "(or eldr bench decode-step on its GPU)")
+    check_model(cost_model, replay.n_layers, replay.num_experts)
 
 
 def run_simulate(out: str | Path, *, trace: str | Path, cost_model: str | Path, prompts: str | Path | None = None,

@@ -17,6 +17,7 @@ from typing import Any
 
 from eldr_cli.constraints import validate_parameter
 from eldr_cli.errors import EldrError
+from eldr_cli.routing.prefill import BLOCK_CHARS, BLOCKS, OVERLOAD
 from eldr_cli.routing.registry import NEEDS_ROUTING, check_policy
 
 
@@ -40,9 +41,9 @@ class ProxyConfig:
     decode_read_timeout_s: float = 300.0  # max silence between two decode chunks
     max_connections_per_worker: int = 1024
     # prefill routing: PrefixHash over the prompt's leading blocks, least-loaded above 1.25x average
-    prefix_block_chars: int = 256
-    prefix_blocks: int = 4
-    prefill_overload_factor: float = 1.25
+    prefix_block_chars: int = BLOCK_CHARS  # 256 (the simulator places prompts with the same)
+    prefix_blocks: int = BLOCKS  # 4
+    prefill_overload_factor: float = OVERLOAD  # 1.25
     # active health checks
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
@@ -120,8 +121,25 @@ class ProxyConfig:
 
 
     def _resolve_admin_token(self) -> None:
+        source = f"--admin-token-file {self.admin_token_file}" if self.admin_token_file else \
+            "admin_token" if self.admin_token is not None else ADMIN_TOKEN_ENV
         self.admin_token = admin_token_from(self.admin_token_file, self.admin_token)
         self.admin_token_file = None
+        if self.admin_token:
+            check_admin_token(self.admin_token, source)
+
+
+def check_admin_token(token: str, source: str) -> None:
+    """An admin token must hold the strength of a state key (:func:`eldr_cli.proxy.replicas.auth.weakness`):
+    it guards workers, policy and routing over HTTP, where anyone who reaches the port may guess (issue 36).
+    EldrError naming ``source``, never the token."""
+    from eldr_cli.proxy.replicas.auth import MAKE_ONE, weakness
+
+    why = weakness(token.encode())
+    if why is not None:
+        raise EldrError(f"the admin token ({source}) is too weak to guard the admin API: it {why}",
+                        hint=f"set {ADMIN_TOKEN_ENV}=$({MAKE_ONE}), or put one in the --admin-token-file "
+                             "(mode 600)")
 
 
 ADMIN_TOKEN_ENV = "ELDR_ADMIN_TOKEN"

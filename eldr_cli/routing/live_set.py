@@ -21,7 +21,7 @@ import numpy as np
 
 from eldr_cli.costmodel import StepTerms, step_ms_from_terms
 from eldr_cli.errors import EldrError
-from eldr_cli.method.live import MAX_ACTIVATION
+from eldr_cli.method.shrinkage import MAX_ACTIVATION
 from eldr_cli.routing.model import RoutingModel
 
 LOG_Q_FLOOR = -60.0

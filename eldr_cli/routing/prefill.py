@@ -1,16 +1,26 @@
 """Prefill selection: PrefixHash with a least-loaded fallback, the proxy's and the simulator's one prefill
 policy. ``choose`` takes any pool whose ``workers`` have ``healthy``, ``salt`` (a per-worker hash salt) and
-``load()``: the proxy passes its :class:`eldr_cli.proxy.workers.WorkerPool`, the simulator
+``load()`` (:class:`PrefillPool`): the proxy passes its ``eldr_cli.proxy.workers.WorkerPool``, the simulator
 :class:`PrefillSlots` (the same salts, no connections)."""
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from eldr_cli.proxy.workers import WorkerPool
+# the defaults of the proxy (``ProxyConfig``) and of the simulator, which must place a prompt alike
+BLOCK_CHARS = 256
+BLOCKS = 4
+OVERLOAD = 1.25
+
+
+class PrefillPool(Protocol):
+    """What :meth:`PrefixHashPrefill.choose` reads of a pool (the proxy's pool lives above routing)."""
+
+    @property
+    def workers(self) -> Sequence[Any]: ...
 
 
 @dataclass
@@ -62,11 +72,11 @@ class PrefixHashPrefill:
     removing a worker moves only its own keys); if the matched worker's load is above
     ``overload`` x the average prefill load, take the least-loaded worker instead."""
 
-    def __init__(self, block_chars: int = 256, blocks: int = 4, overload: float = 1.25):
+    def __init__(self, block_chars: int = BLOCK_CHARS, blocks: int = BLOCKS, overload: float = OVERLOAD):
         self.span = max(1, block_chars * blocks)
         self.overload = overload
 
-    def choose(self, pool: WorkerPool | PrefillSlots, key: str, exclude: Any = None) -> Any:
+    def choose(self, pool: PrefillPool, key: str, exclude: Any = None) -> Any:
         cands = [w for w in pool.workers if w.healthy and w is not exclude]
         if not cands:
             cands = [w for w in pool.workers if w is not exclude]  # all down: try anyway

@@ -23,14 +23,11 @@ from eldr_cli.simulator.replay import TraceReplay, prefill_batch
 
 
 def _prefill_chooser(n_prefill: int):
-    """The proxy's PrefixHash prefill choice (its default block size, blocks and overload factor) over
-    simulated prefill workers."""
-    from eldr_cli.proxy.config import ProxyConfig
+    """The proxy's PrefixHash prefill choice (its default block size, blocks and overload factor: the
+    proxy's configuration defaults are these) over simulated prefill workers."""
     from eldr_cli.routing.prefill import PrefillSlots, PrefixHashPrefill
 
-    cfg = ProxyConfig()
-    chooser = PrefixHashPrefill(cfg.prefix_block_chars, cfg.prefix_blocks, cfg.prefill_overload_factor)
-    return PrefillSlots(n_prefill), chooser
+    return PrefillSlots(n_prefill), PrefixHashPrefill()
 
 
 class _PrefillCost:

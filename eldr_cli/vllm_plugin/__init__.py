@@ -18,14 +18,10 @@ plugin says so once and vLLM serves normally.
 
 from __future__ import annotations
 
-import os
+from eldr_cli.vllm_plugin.env import ENV, enabled
 
-ENV = "ELDR_SIGNATURES"
+__all__ = ["ENV", "enabled", "register"]
 _registered = False
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def register() -> None:

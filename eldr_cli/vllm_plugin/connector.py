@@ -107,7 +107,7 @@ class EldrSignatureConnector(KVConnectorBase_V1):
         self._eldr_kv_manager = None
         self._eldr_warned: set[str] = set()
         if isinstance(inner, _NoConnector) and role == KVConnectorRole.SCHEDULER:
-            from eldr_cli.vllm_plugin import ENV, enabled
+            from eldr_cli.vllm_plugin.env import ENV, enabled
 
             if not enabled():
                 _log().warning("EldrSignatureConnector is configured but %s=1 is not set: no signatures", ENV)

@@ -40,7 +40,7 @@ MAKE_ONE = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 CHANGE_WINDOW_S = 30.0  # admin and health changes: older (or further ahead, clock skew) is stale
 COUNTS_WINDOW_S = 5.0   # counts and heartbeats are rewritten every 0.1 s: a replay dies young
 REASONS = ("unsigned", "bad_signature", "malformed", "stale", "replayed", "outdated", "before_join", "unsynced",
-           "wrong_type", "oversized", "reservation_range")
+           "wrong_type", "oversized", "reservation_range", "ended")
 _SALT = b"eldr serve-proxy shared state v1"
 LOG_EVERY_S = 60.0  # a rejection is logged at most once per reason per minute, with the count since
 WRONG_KEY_WINDOW_S = 60.0

@@ -9,6 +9,7 @@ import asyncio
 import logging
 from typing import Any
 
+from eldr_cli.proxy.replicas.auth import Envelope
 from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ConfigSync
 
 log = logging.getLogger("eldr.proxy.state")
@@ -18,8 +19,8 @@ CHANGE_KINDS = ("policy", "workers", "reload", "health")
 
 
 class ChannelsMixin:
-    """Needs ``_redis``, ``_host``, ``configs``, ``_channel``, ``_counts_channel``, ``_tasks``, ``_failed``
-    and ``_on_counts`` (all set by RedisState)."""
+    """Needs ``_redis``, ``_host``, ``configs``, ``_channel``, ``_counts_channel``, ``_tasks``, ``ns``,
+    ``env``, ``_failed`` and ``_on_counts`` (all set by RedisState)."""
 
     _redis: Any
     _host: Any
@@ -27,6 +28,8 @@ class ChannelsMixin:
     _channel: str
     _counts_channel: str
     _tasks: list[asyncio.Task[None]]
+    ns: str
+    env: Envelope | None
 
     def _failed(self, e: BaseException, *, outage: bool = True) -> None: ...
 
@@ -66,6 +69,20 @@ class ChannelsMixin:
             if channel == self._channel:
                 log.warning("a run-time change was not shared (Redis unreachable): other replicas keep theirs",
                             extra={"event": "state", "error": str(e)})
+
+    async def _say_goodbye(self, key: str, ttl_ms: int, member: str) -> None:
+        """A clean stop: a signed goodbye on the counts channel and in this replica's heartbeat ``key`` (for a
+        replica that misses the message; no counts left behind), ``member`` off the registry. The others drop
+        this replica at once and refuse its origin from then on (:mod:`eldr_cli.proxy.replicas.peers`). Best
+        effort: Redis may be gone."""
+        assert self.env is not None
+        bye = self.env.seal("bye", {})
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.publish(self._counts_channel, bye).set(key, bye, px=ttl_ms).srem(f"{self.ns}:replicas", member)
+            await asyncio.wait_for(pipe.execute(), timeout=1.0)
+        except Exception:
+            pass
 
     async def _subscribe_loop(self) -> None:
         while True:

@@ -13,11 +13,11 @@ the same "least loaded" decoder. What is shared, and how:
   ``COALESCE_S`` (10 ms), so the others see a dispatch within a few ms at under one message per
   request. Every ``HEARTBEAT_S`` it also writes them to its own key ``<ns>:inflight:<replica>``
   with a TTL of ``TTL_MS`` and reads the other live replicas' keys (which repairs any lost message:
-  the newer version wins). The sum over the other replicas is
-  ``Worker.remote_inflight``, which the decision adds to the local count. The same message carries
-  named per-worker integer vectors (``set_local_vectors``; for stateful policies), summed over the
-  other replicas into ``Worker.remote_vectors[name]`` the same way. A replica that dies stops
-  counting when its key expires: within ``STALENESS_BOUND_S`` = TTL + one heartbeat (1.3 s).
+  the newer version wins). The sum over the other replicas is ``Worker.remote_inflight``, which the
+  decision adds to the local count. The same message carries named per-worker integer vectors
+  (``set_local_vectors``; for stateful policies), summed over the other replicas into
+  ``Worker.remote_vectors[name]`` the same way. A replica that stops says goodbye (signed); one that dies
+  stops counting when its key expires or its sequence stops growing (:mod:`.peers`): ``STALENESS_BOUND_S``.
   A decision reads the last counts that arrived, then (reservation on) waits at most
   ``--state-reserve-ms`` for one atomic round trip that picks and reserves the slot.
 - **Run-time changes.** An admin change (policy, routing reload, worker add/remove) is validated and
@@ -43,6 +43,7 @@ from eldr_cli.proxy.replicas.channels import HEARTBEAT_S, ChannelsMixin
 from eldr_cli.proxy.replicas.configsync import CONFIG_TTL_MS, MAX_CONFIG_BYTES, ZERO, ConfigSync, Version, parse_version
 from eldr_cli.proxy.replicas.conn import StateConn
 from eldr_cli.proxy.replicas.counts import parse_counts, sum_counts
+from eldr_cli.proxy.replicas.peers import Peers
 from eldr_cli.proxy.replicas.reads import (
     MAX_VALUE_BYTES,
     NEW_NAMES_BUDGET,
@@ -57,7 +58,7 @@ log = logging.getLogger("eldr.proxy.state")
 
 COALESCE_S = 0.01  # count changes within 10 ms go out as one message
 TTL_MS = 1200
-STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S
+STALENESS_BOUND_S = TTL_MS / 1000 + HEARTBEAT_S  # 1.3 s: TTL + one heartbeat
 MAX_REPLICAS = 256  # names read per heartbeat (the registry set is writable by anyone with Redis access)
 
 
@@ -153,6 +154,7 @@ class RedisState(ChannelsMixin, LocalState):
         self._counts_channel = f"{self.ns}:counts"
         # replica -> (sequence, counts, vectors): the newest verified state of each other replica
         self._others: dict[str, tuple[int, dict[str, int], dict[str, dict[str, list[int]]]]] = {}
+        self.peers = Peers(STALENESS_BOUND_S)  # alive = its sequence grew lately, on this replica's clock
         self._flush_scheduled = False
         self._bad_beat_logged = float("-inf")
         self._last_flush = float("-inf")  # loop time of the last counts message
@@ -196,11 +198,7 @@ class RedisState(ChannelsMixin, LocalState):
         if self.reserver is not None:
             await self.reserver.stop()
         if self._redis is not None:
-            try:  # a clean stop leaves no counts behind (a crash leaves them until the TTL)
-                await self._redis.delete(self._key(self.replica_id))
-                await self._redis.srem(f"{self.ns}:replicas", self.replica_id)
-            except Exception:
-                pass
+            await self._say_goodbye(self._key(self.replica_id), TTL_MS, self.replica_id)  # a crash: until the TTL
             try:
                 await self._redis.aclose()
             except Exception:
@@ -225,24 +223,38 @@ class RedisState(ChannelsMixin, LocalState):
         """Verify a counts message (or a heartbeat value read from ``replica``'s key); keep it if it
         is newer than what we have. Returns its origin when it verified."""
         assert self.env is not None
-        msg = self.env.open(data, ("counts",))
+        msg = self.env.open(data, ("counts", "bye"))
         if msg is None:
             return None
         if replica is not None and msg.origin != replica:
             self.env.reject("malformed", origin=msg.origin)  # a valid value copied under another name
+            return None
+        if self.peers.ended(msg.origin):  # after its goodbye (read again from its key: no replay), a replay
+            if msg.kind != "bye":
+                self.env.reject("ended", origin=msg.origin)
+            return None
+        if msg.kind == "bye":
+            self._gone(msg.origin)
             return None
         try:
             counts, vectors = parse_counts(msg.payload)
         except (TypeError, ValueError, AttributeError, KeyError):
             self.env.reject("malformed", origin=msg.origin)
             return None
-        cv = parse_version(msg.payload.get("cv"))
-        if cv is not None:
-            self._peer_cv[msg.origin] = cv
-        have = self._others.get(msg.origin)
-        if have is None or have[0] < msg.seq:  # a message newer than the heartbeat wins, and vice versa
+        if self.peers.grew(msg.origin, msg.seq):  # news (a replay or an older message is not: it keeps nothing)
+            cv = parse_version(msg.payload.get("cv"))
+            if cv is not None:
+                self._peer_cv[msg.origin] = cv
             self._others[msg.origin] = (msg.seq, counts, vectors)
         return msg.origin
+
+    def _gone(self, origin: str) -> None:
+        """``origin`` said goodbye (a clean stop): it and its counts leave the sums now."""
+        self.peers.end(origin)
+        self._peer_cv.pop(origin, None)
+        if self._others.pop(origin, None) is not None:
+            self._replicas = max(1, self._replicas - 1)
+        self._apply_remote()
 
     async def sync_once(self) -> None:
         """Publish this replica's counts and read the others' (one heartbeat). Every read is tolerant
@@ -278,16 +290,18 @@ class RedisState(ChannelsMixin, LocalState):
             v = values.get(self._key(o))
             if v is None:
                 continue  # over this heartbeat's budget: read later
-            if isinstance(v, bytes) and v and self._accept_counts(v, replica=o) == o:
+            if isinstance(v, bytes) and v and self._accept_counts(v, replica=o) == o and self.peers.alive(o):
                 live.add(o)
                 continue
             if isinstance(v, Exception):  # a wrong type or an oversized value under a replica's name
                 self.env.reject("oversized" if isinstance(v, ValueError) else "wrong_type")
-            bad_members.append(o)  # expired (stopped or died), garbage, or not verified: off the registry
+            bad_members.append(o)  # expired, gone, silent (no news), garbage or unverified: off the registry
         if bad_members:
             await self._redis.srem(reg, *bad_members)
-        if self.reserver is not None and int(time.monotonic()) != int(self._last_sync):  # ~1/s
-            await check_reserved(self._redis, self.reserver, self.env)
+        if int(time.monotonic()) != int(self._last_sync):  # ~1/s
+            self.peers.forget_old()
+            if self.reserver is not None:
+                await check_reserved(self._redis, self.reserver, self.env)
         self._others = {o: st for o, st in self._others.items() if o in live}
         self._peer_cv = {o: v for o, v in self._peer_cv.items() if o in live}
         self.configs.peer_max = max(self._peer_cv.values(), default=ZERO)
