@@ -4,7 +4,7 @@ processes, the load generator, stub clusters and the decision fixture of the ser
 (:mod:`.procs`, :mod:`.loadgen`, :mod:`.stubs`, :mod:`.decisions`)."""
 
 from benchmarks.base.env import BIN, PY, ROOT, environment, parser, snapshot, write_result
-from benchmarks.base.paired import alternate, alternate_commands, command, order, paired_interval
+from benchmarks.base.paired import alternate, alternate_commands, command, order, paired_interval, tree_at
 
 __all__ = ["BIN", "PY", "ROOT", "alternate", "alternate_commands", "command", "environment", "order",
-           "paired_interval", "parser", "snapshot", "write_result"]
+           "paired_interval", "parser", "snapshot", "tree_at", "write_result"]

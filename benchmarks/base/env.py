@@ -28,7 +28,9 @@ def parser(doc: str | None, out: str) -> argparse.ArgumentParser:
     """The benchmark's argument parser: its docstring's first line as the description, the rest as the
     epilog of ``--help``, and ``--out`` (the JSON file written, default ``out``)."""
     first, _, rest = (doc or "").strip().partition("\n")
-    ap = argparse.ArgumentParser(description=first, epilog=rest.strip() or None,
+    script = Path(sys.argv[0])
+    prog = f"python -m benchmarks.{script.stem}" if script.parent.name == "benchmarks" else None
+    ap = argparse.ArgumentParser(prog=prog, description=first, epilog=rest.strip() or None,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=out, help="the JSON file written (default: %(default)s)")
     return ap

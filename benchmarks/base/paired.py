@@ -82,6 +82,19 @@ def command(argv: Sequence[str] | str, cwd: Path | None = None,
     return run
 
 
+def tree_at(rev: str | None, dst: Path) -> Path:
+    """``eldr_cli`` of commit ``rev`` unpacked under ``dst`` (``git archive``; default: where this branch
+    left main), for a "before" arm run with ``PYTHONPATH=dst``. -> ``dst``."""
+    from benchmarks.base.env import ROOT
+
+    base = rev or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+    dst.mkdir(parents=True)
+    arch = subprocess.run(["git", "archive", base, "eldr_cli"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=arch, check=True)
+    return dst
+
+
 def alternate_commands(before: Sequence[str] | str, after: Sequence[str] | str, rounds: int,
                        cwd: Path | None = None) -> dict[str, Any]:
     """Time ``before`` and ``after`` alternately for ``rounds`` rounds; per-run figures and, for wall and

@@ -14,11 +14,13 @@ from pathlib import Path
 from benchmarks.base.env import ROOT
 
 
-def spawn(cmd: list[str], log: Path | str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
-    """Start ``cmd`` in the checkout's root, in a new session, its output into ``log``."""
+def spawn(cmd: list[str], log: Path | str, env: Mapping[str, str] | None = None,
+          cwd: Path = ROOT) -> subprocess.Popen:
+    """Start ``cmd`` in ``cwd`` (the checkout's root), in a new session, its output into ``log``. ``python -m``
+    puts ``cwd`` before ``PYTHONPATH`` on the path: run another tree's ``eldr_cli`` with ``cwd`` = that tree."""
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})}, cwd=ROOT)
+                                env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def stop(p: subprocess.Popen | None) -> None:

@@ -17,7 +17,7 @@ SHAPE = (48, 128)  # the stub's fake prompt counts [L, E]; the routing artifact 
 KEY = secrets.token_hex(32)  # the replicas' shared signing key, never a command-line value
 
 
-def urls(ports: list[int]) -> list[str]:
+def local_urls(ports: list[int]) -> list[str]:
     return [f"http://127.0.0.1:{p}" for p in ports]
 
 
