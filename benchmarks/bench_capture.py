@@ -3,8 +3,8 @@
 1. Hook overhead: the same batched greedy generation (prefill + N decode steps) on a mid-size
    random-weight MoE (hidden 512, 16 layers, 64 experts, top-4, batch 8) with and without the
    capture hooks (router hooks + prefill counts + gate sums + per-step picks). Short runs
-   alternate (bare, hooked, bare, ...); ratio = min(hooked) / min(bare), the least noisy estimate
-   on a shared machine, with the ratio of medians reported beside it.
+   alternate (bare, hooked; hooked, bare; ...); ratio = min(hooked) / min(bare), the least noisy estimate
+   on a shared machine, with the ratio of medians and the paired per-round ratio (95% interval) beside it.
 2. Memory: peak RSS of a real `eldr capture` (tiny model, 128 decode steps) at two request
    counts, and of the staging -> artifact path at 10,000 requests x 128 steps fed with
    GENERATED picks (the model is not run there; it measures that flushing keeps memory flat).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.base import ROOT, environment, parser, write_result
+from benchmarks.base import ROOT, alternate, environment, paired_interval, parser, write_result
 from eldr_cli.data import prompts_file
 
 TASK = prompts_file("task")
@@ -73,15 +73,17 @@ def child_overhead(a) -> dict:
     toks = [be.tokenize(t)[:a.prompt_tokens] for t in _prompts(a.batch)]
     be.run_batch(toks, 2)  # warm-up
     be.run_batch(toks, 2, hooks=False)
-    bare, hooked = [], []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        be.run_batch(toks, a.steps, hooks=False)
-        bare.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        be.run_batch(toks, a.steps, hooks=True, gate_sums=True)
-        hooked.append(time.perf_counter() - t0)
-    return {"bare_s": bare, "hooked_s": hooked, "batch": len(toks), "prompt_tokens": [len(t) for t in toks],
+
+    def timed(hooks: bool):
+        def run() -> float:
+            t0 = time.perf_counter()
+            be.run_batch(toks, a.steps, hooks=hooks, gate_sums=True)
+            return time.perf_counter() - t0
+        return run
+
+    runs = alternate({"bare": timed(False), "hooked": timed(True)}, a.repeats)  # bare, hooked; hooked, bare; ...
+    return {"bare_s": runs["bare"], "hooked_s": runs["hooked"], "batch": len(toks),
+            "prompt_tokens": [len(t) for t in toks],
             "decode_steps": a.steps, "layers": be.num_layers, "experts": be.num_experts, "top_k": be.top_k,
             "hidden": 512, "threads": a.threads}
 
@@ -362,6 +364,7 @@ def _overhead(tmp: str, a) -> dict:
     ov["ratio_median"] = ov["hooked_median_s"] / ov["bare_median_s"]
     # on a shared, loaded machine the minimum of alternating runs is the least noisy estimate
     ov["ratio"] = ov["hooked_min_s"] / ov["bare_min_s"]
+    ov["paired_ratio"] = paired_interval(ov["hooked_s"], ov["bare_s"], ratio=True)  # per round, with its interval
     return ov
 
 

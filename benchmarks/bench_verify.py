@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.base import environment, parser, write_result
+from benchmarks.base import environment, order, parser, write_result
 
 
 def _size(path: Path) -> int:
@@ -60,7 +60,7 @@ def bench_fit(repeats: int) -> dict:
 
     on, off, inside = [], [], []
     for i in range(repeats):
-        for verify in (True, False) if i % 2 == 0 else (False, True):
+        for verify in order((True, False), i):
             store.verify_on_read = timed if verify else (lambda art: None)
             guard._VERIFIED.clear()
             spent.clear()
