@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.base import BIN, PY, environment, order, paired_interval, parser, write_result
+from benchmarks.base import BIN, environment, order, paired_interval, parser, write_result
 from benchmarks.base import loadgen as lg
 from benchmarks.base.procs import cpu_s, flags, free_ports, metrics, rss_mb, spawn, stop
-from benchmarks.base.stubs import SHAPE, fit_routing
+from benchmarks.base.stubs import fit_routing, start_stubs
 from eldr_cli.testing.servers import wait_http
 
 
@@ -121,12 +121,8 @@ class Rig:
 
     def start_stubs(self, token_delay_s=None, log="stubs.log"):
         extra = [] if token_delay_s is None else ["--token-delay-s", str(token_delay_s)]
-        self.stubs = spawn([PY, "-m", "eldr_cli.testing.stub_worker", *flags("--port", map(str, self.ports[:4])),
-                             "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
-                             *extra], self.tmp / log)
+        self.stubs = start_stubs(self.tmp, self.ports[:4], "--timeout-sleep-s", "2", *extra, log=log)
         self.procs.append(self.stubs)
-        for u in self.pre + self.dec:
-            wait_http(u + "/health", 60, proc=self.stubs, log=self.tmp / log)
 
     def start_ours(self):
         self.ours = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),

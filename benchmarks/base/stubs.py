@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from benchmarks.base.env import BIN, PY
-from benchmarks.base.procs import flags, spawn
+from benchmarks.base.procs import flags, spawn, stop
 from eldr_cli.testing.servers import wait_http
 
 SHAPE = (48, 128)  # the stub's fake prompt counts [L, E]; the routing artifact matches it
@@ -22,11 +22,16 @@ def local_urls(ports: list[int]) -> list[str]:
 
 
 def start_stubs(tmp: Path, ports: list[int], *extra: str, log: str = "stubs.log"):
-    """One stub-worker process serving every port in ``ports``; returns once each answers /health."""
+    """One stub-worker process serving every port in ``ports``; returns once each answers /health (stopped
+    again if one does not)."""
     p = spawn([PY, "-m", "eldr_cli.testing.stub_worker", *flags("--port", map(str, ports)),
                "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), *extra], tmp / log)
-    for x in ports:
-        wait_http(f"http://127.0.0.1:{x}/health", 60, proc=p)
+    try:
+        for x in ports:
+            wait_http(f"http://127.0.0.1:{x}/health", 60, proc=p, log=tmp / log)
+    except BaseException:
+        stop(p)
+        raise
     return p
 
 
@@ -35,7 +40,11 @@ def start_proxy(tmp: Path, name: str, pre: list[str], dec: list[str], port: int,
     p = spawn([str(BIN / "eldr"), "serve-proxy", *flags("--prefill", pre), *flags("--decode", dec),
                "--port", str(port), "--log-level", "warning", *extra], tmp / f"{name}.log",
               env={"ELDR_STATE_KEY": KEY})
-    wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p, log=tmp / f"{name}.log")
+    except BaseException:
+        stop(p)
+        raise
     return p
 
 
