@@ -11,7 +11,9 @@ import json
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +31,9 @@ async def open_loop(args) -> dict:
     prompts = [f"prompt {i}: " + " ".join(f"word{(i * 31 + j) % 97}" for j in range(40)) for i in range(64)]
     conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
     timeout = aiohttp.ClientTimeout(total=30)
-    lat, errors, statuses = [], 0, {}
+    lat: list[float] = []
+    errors = 0
+    statuses: dict[str, int] = {}
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
         async def one_direct(body):
             pre = dict(body, stream=False, max_tokens=1, kv_transfer_params=PD_KTP)
@@ -126,7 +130,7 @@ async def soak(args) -> dict:
             except Exception:
                 client["exceptions"] += 1
 
-        q = asyncio.Queue()
+        q: asyncio.Queue[int] = asyncio.Queue()
         for i in range(args.n):
             q.put_nowait(i)
 
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--concurrency", type=int, default=32)
     args = ap.parse_args(argv)
+    runner: Callable[..., Any]
     try:
         import uvloop
 

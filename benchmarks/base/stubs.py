@@ -71,8 +71,9 @@ def sample_spread(decode_urls: list[str], stop: threading.Event, out: list[int],
         while not stop.is_set():
             try:
                 vals = [parse_running(c.get(u + "/metrics").text) for u in decode_urls]
-                if None not in vals:
-                    out.append(max(vals) - min(vals))  # type: ignore[type-var]
+                known = [v for v in vals if v is not None]
+                if len(known) == len(vals):
+                    out.append(max(known) - min(known))
             except httpx.HTTPError:
                 pass
             time.sleep(every_s)
