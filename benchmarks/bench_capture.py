@@ -3,8 +3,8 @@
 1. Hook overhead: the same batched greedy generation (prefill + N decode steps) on a mid-size
    random-weight MoE (hidden 512, 16 layers, 64 experts, top-4, batch 8) with and without the
    capture hooks (router hooks + prefill counts + gate sums + per-step picks). Short runs
-   alternate (bare, hooked, bare, ...); ratio = min(hooked) / min(bare), the least noisy estimate
-   on a shared machine, with the ratio of medians reported beside it.
+   alternate (bare, hooked; hooked, bare; ...); ratio = min(hooked) / min(bare), the least noisy estimate
+   on a shared machine, with the ratio of medians and the paired per-round ratio (95% interval) beside it.
 2. Memory: peak RSS of a real `eldr capture` (tiny model, 128 decode steps) at two request
    counts, and of the staging -> artifact path at 10,000 requests x 128 steps fed with
    GENERATED picks (the model is not run there; it measures that flushing keeps memory flat).
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.base import ROOT, alternate, environment, paired_interval, parser, write_result
 from eldr_cli.data import prompts_file
 
-ROOT = Path(__file__).resolve().parents[1]
 TASK = prompts_file("task")
 
 
@@ -73,15 +73,17 @@ def child_overhead(a) -> dict:
     toks = [be.tokenize(t)[:a.prompt_tokens] for t in _prompts(a.batch)]
     be.run_batch(toks, 2)  # warm-up
     be.run_batch(toks, 2, hooks=False)
-    bare, hooked = [], []
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        be.run_batch(toks, a.steps, hooks=False)
-        bare.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        be.run_batch(toks, a.steps, hooks=True, gate_sums=True)
-        hooked.append(time.perf_counter() - t0)
-    return {"bare_s": bare, "hooked_s": hooked, "batch": len(toks), "prompt_tokens": [len(t) for t in toks],
+
+    def timed(hooks: bool):
+        def run() -> float:
+            t0 = time.perf_counter()
+            be.run_batch(toks, a.steps, hooks=hooks, gate_sums=True)
+            return time.perf_counter() - t0
+        return run
+
+    runs = alternate({"bare": timed(False), "hooked": timed(True)}, a.repeats)  # bare, hooked; hooked, bare; ...
+    return {"bare_s": runs["bare"], "hooked_s": runs["hooked"], "batch": len(toks),
+            "prompt_tokens": [len(t) for t in toks],
             "decode_steps": a.steps, "layers": be.num_layers, "experts": be.num_experts, "top_k": be.top_k,
             "hidden": 512, "threads": a.threads}
 
@@ -317,7 +319,7 @@ CHILDREN = {"fixtures": child_fixtures, "overhead": child_overhead, "capture": c
 
 
 def run_child(kind: str, tmp: str, **kw) -> dict:
-    args = [sys.executable, __file__, "--child", kind, "--tmp", tmp] + \
+    args = [sys.executable, "-m", "benchmarks.bench_capture", "--child", kind, "--tmp", tmp] + \
         [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     if r.returncode != 0:
@@ -325,24 +327,23 @@ def run_child(kind: str, tmp: str, **kw) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/capture.json")
-    ap.add_argument("--child")
-    ap.add_argument("--tmp")
-    ap.add_argument("--n", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=128)
+def _parse(argv):
+    ap = parser(__doc__, "bench-results/capture.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="top8", help=argparse.SUPPRESS)
+    ap.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=128, help="decode steps of the capture and staging runs")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=9, help="alternating bare/hooked runs of the overhead part")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--overhead-steps", type=int, default=16)
     ap.add_argument("--capture-requests", default="16,32")
     ap.add_argument("--staging-requests", default="1000,10000")
     ap.add_argument("--import-files", default="150,600")
-    ap.add_argument("--shape", default="top8")
-    ap.add_argument("--rep", type=int, default=0)
     ap.add_argument("--rate-files", type=int, default=2000,
                     help="files per shape for the import rate table (the issue's 2,000)")
     ap.add_argument("--rate-repeats", type=int, default=3)
@@ -350,55 +351,43 @@ def main() -> None:
     ap.add_argument("--rate-shapes", default=",".join(IMPORT_SHAPES), help="shapes for the import rate table")
     ap.add_argument("--sections", default="overhead,capture,staging,import",
                     help="comma-separated subset to run (import = the rate table and import RSS)")
-    a = ap.parse_args()
-    if a.child:
-        print(json.dumps(CHILDREN[a.child](a)))
-        return
+    return ap.parse_args(argv)
 
-    from rich.console import Console
+
+def _overhead(tmp: str, a) -> dict:
+    ov = run_child("overhead", tmp, steps=a.overhead_steps, batch=a.batch, prompt_tokens=a.prompt_tokens,
+                   repeats=a.repeats, threads=a.threads)
+    ov["bare_median_s"] = statistics.median(ov["bare_s"])
+    ov["hooked_median_s"] = statistics.median(ov["hooked_s"])
+    ov["bare_min_s"] = min(ov["bare_s"])
+    ov["hooked_min_s"] = min(ov["hooked_s"])
+    ov["ratio_median"] = ov["hooked_median_s"] / ov["bare_median_s"]
+    # on a shared, loaded machine the minimum of alternating runs is the least noisy estimate
+    ov["ratio"] = ov["hooked_min_s"] / ov["bare_min_s"]
+    ov["paired_ratio"] = paired_interval(ov["hooked_s"], ov["bare_s"], ratio=True)  # per round, with its interval
+    return ov
+
+
+def _imports(tmp: str, a) -> tuple[list[dict], list[dict]]:
+    rates = bench_import_rates(tmp, a.rate_files, a.rate_repeats, a.rate_files_small or None,
+                               tuple(a.rate_shapes.split(",")))
+    n_small, n_big = map(int, a.import_files.split(","))
+    for n in (n_small, n_big):
+        run_child("fixtures", tmp, n=n)
+    return rates, [run_child("import", tmp, n=n_small, workers=1), run_child("import", tmp, n=n_small, workers=2),
+                   run_child("import", tmp, n=n_big, workers=1)]
+
+
+def _table(res: dict, repeats: int):
     from rich.table import Table
-
-    tmp = tempfile.mkdtemp(prefix="bench-capture-")
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # generated trees: ~2 GB for the import section
-    res: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                             "loadavg_start": os.getloadavg()}}
-    t_all = time.perf_counter()
-    sections = set(a.sections.split(","))
-    con = Console()
-    if "overhead" in sections:
-        ov = run_child("overhead", tmp, steps=a.overhead_steps, batch=a.batch, prompt_tokens=a.prompt_tokens,
-                       repeats=a.repeats, threads=a.threads)
-        ov["bare_median_s"] = statistics.median(ov["bare_s"])
-        ov["hooked_median_s"] = statistics.median(ov["hooked_s"])
-        ov["bare_min_s"] = min(ov["bare_s"])
-        ov["hooked_min_s"] = min(ov["hooked_s"])
-        ov["ratio_median"] = ov["hooked_median_s"] / ov["bare_median_s"]
-        # on a shared, loaded machine the minimum of alternating runs is the least noisy estimate
-        ov["ratio"] = ov["hooked_min_s"] / ov["bare_min_s"]
-        res["hook_overhead"] = ov
-    if "capture" in sections:
-        res["capture_rss"] = [run_child("capture", tmp, n=n, steps=a.steps)
-                              for n in map(int, a.capture_requests.split(","))]
-    if "staging" in sections:
-        res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps)
-                              for n in map(int, a.staging_requests.split(","))]
-    if "import" in sections:
-        res["import_rate"] = bench_import_rates(tmp, a.rate_files, a.rate_repeats, a.rate_files_small or None,
-                                                 tuple(a.rate_shapes.split(",")))
-        n_small, n_big = map(int, a.import_files.split(","))
-        for n in (n_small, n_big):
-            run_child("fixtures", tmp, n=n)
-        res["import"] = [run_child("import", tmp, n=n_small, workers=1),
-                         run_child("import", tmp, n=n_small, workers=2), run_child("import", tmp, n=n_big, workers=1)]
-    res["machine"]["loadavg_end"] = os.getloadavg()
-    res["total_s"] = time.perf_counter() - t_all
 
     t = Table(title="eldr capture benchmark (CPU, random-weight models; picks for staging/import are GENERATED)")
     t.add_column("measurement")
     t.add_column("value", justify="right")
     t.add_column("peer / note")
     if "hook_overhead" in res:
-        t.add_row(f"generation with hooks (min / median of {a.repeats})",
+        ov = res["hook_overhead"]
+        t.add_row(f"generation with hooks (min / median of {repeats})",
                   f"{ov['hooked_min_s']:.2f} / {ov['hooked_median_s']:.2f} s",
                   f"batch {ov['batch']}, {ov['decode_steps']} decode steps, L=16 E=64 k=4 hidden 512")
         t.add_row("same generation without hooks (peer)", f"{ov['bare_min_s']:.2f} / {ov['bare_median_s']:.2f} s",
@@ -417,15 +406,43 @@ def main() -> None:
     t.add_row("machine load average (start -> end)",
               f"{res['machine']['loadavg_start'][0]:.1f} -> {res['machine']['loadavg_end'][0]:.1f}",
               f"{os.cpu_count()} cores shared")
-    con.print(t)
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = _parse(argv)
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return
+
+    from rich.console import Console
+
+    env = environment()
+    tmp = tempfile.mkdtemp(prefix="bench-capture-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # generated trees: ~2 GB for the import section
+    res: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                             "loadavg_start": os.getloadavg()}}
+    t_all = time.perf_counter()
+    sections = set(a.sections.split(","))
+    con = Console()
+    if "overhead" in sections:
+        res["hook_overhead"] = _overhead(tmp, a)
+    if "capture" in sections:
+        res["capture_rss"] = [run_child("capture", tmp, n=n, steps=a.steps)
+                              for n in map(int, a.capture_requests.split(","))]
+    if "staging" in sections:
+        res["staging_rss"] = [run_child("staging", tmp, n=n, steps=a.steps)
+                              for n in map(int, a.staging_requests.split(","))]
+    if "import" in sections:
+        res["import_rate"], res["import"] = _imports(tmp, a)
+    res["machine"]["loadavg_end"] = os.getloadavg()
+    res["total_s"] = time.perf_counter() - t_all
+    con.print(_table(res, a.repeats))
     if "import_rate" in res:
         for tab in import_table(res["import_rate"]):
             con.print(tab)
         con.print("targets: top8 >= 200 files/s, top1 >= 400 files/s on one core; 2 workers >= 1.7x one")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_result(a.out, res, env)}")
 
 
 if __name__ == "__main__":

@@ -3,13 +3,11 @@ fields, against writing it inline (the serialization and the write on the reques
 thread). Rows are what the proxy writes for a Qwen3-30B-A3B-shaped signature (L=48, E=128, top-8, GENERATED
 counts of a 300-token prompt) at K=16.
 
-    .venv/bin/python benchmarks/bench_decision_log.py --out bench-results/decision_log.json
+    .venv/bin/python -m benchmarks.bench_decision_log --out bench-results/decision_log.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from benchmarks.base import environment, parser, write_result
 from eldr_cli.handoff import encode_counts
 from eldr_cli.proxy.decisionlog import DecisionLog
 
@@ -68,12 +67,12 @@ def _paced(mode: str, rows: list[dict], rate: float, path: Path) -> dict:
             "bytes_per_row": path.stat().st_size / max(written, 1)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rate", type=float, default=1000.0)
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "bench-results/decision_log.json")
+    ap.add_argument("--rate", type=float, default=1000.0, help="rows per second (default: %(default)s)")
     ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--out", default="bench-results/decision_log.json")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    env = environment()
     rng = np.random.default_rng(0)
     n = int(a.rate * a.seconds)
     res = []
@@ -92,8 +91,7 @@ def main() -> None:
                   f"{r['write_p99_us']:.1f}", f"{r['write_max_us']:.0f}", f"{r['drain_after_s']:.3f}",
                   str(r["dropped"]), f"{r['bytes_per_row']:.0f}")
     console.print(t)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"results": res}, indent=2))
+    write_result(a.out, {"results": res}, env)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.base import ROOT, environment, parser, write_result
+
 # the console script of the checkout's .venv, else the one beside this interpreter (a shared venv)
 # every subcommand's --help is timed (target <= 0.3 s each)
 HELP_COMMANDS = [(), ("inspect",), ("synth-trace",), ("fit-idf",), ("select-layers",), ("cluster",), ("fit",),
@@ -233,8 +234,7 @@ def bench_decision(k=16, d=20 * 128, n=20000):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/fit.json")
+    ap = parser(__doc__, "bench-results/fit.json")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--large-n", type=int, default=100_000)
     ap.add_argument("--large-iter", type=int, default=20)
@@ -246,6 +246,7 @@ def main(argv=None):
         n, d, k, it, out = a.child_large
         _child_large(int(n), int(d), int(k), int(it), 0, out)
         return 0
+    env = environment()
     from rich.console import Console
     from rich.table import Table
 
@@ -257,10 +258,7 @@ def main(argv=None):
     res["machine"]["loadavg_after_fit"] = os.getloadavg()
     con.print(phase_table(res["fit"]))
     if a.only_fit:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2))
-        con.print(f"figures written to {out}")
+        con.print(f"figures written to {write_result(a.out, res, env)}")
         return 0
     res["decision"] = bench_decision()
     res["peer"] = bench_peer(2000 if a.quick else 10_000, 16, 256 if a.quick else 20 * 128, 10)
@@ -292,10 +290,7 @@ def main(argv=None):
     for name, val, tgt, ok in rows:
         t.add_row(name, val, tgt, "" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"))
     con.print(t)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    con.print(f"figures written to {out}")
+    con.print(f"figures written to {write_result(a.out, res, env)}")
     return 0
 
 

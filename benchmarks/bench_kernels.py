@@ -8,17 +8,12 @@ present -- no GPU figure is estimated or invented. Writes bench-results/kernels.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.base import environment, parser, write_result
 
 # Qwen3-30B-A3B: 48 MoE layers, 128 experts, top-8; KV block 16 (the paper's setting)
 L, E, K, BLOCK = 48, 128, 8, 16
@@ -113,14 +108,14 @@ def run(device_name: str, repeats: int, num_blocks: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="bench-results/kernels.json")
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "bench-results/kernels.json")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--num-blocks", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: on a shared machine more threads mostly wait on each other)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    env = environment()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -146,9 +141,7 @@ def main() -> None:
         "signature_share_of_kv_qwen3_30b_a3b_block16": share,
         "rows": rows,
     }
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result, env)
 
     from rich.console import Console
     from rich.table import Table

@@ -16,7 +16,6 @@ average. Writes ``bench-results/model_quality.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.base import ROOT, environment, parser, write_result
 from eldr_cli.checkpoints.train import DEFAULT_STEPS, split_of
 from eldr_cli.data import prompts_file
 
-ROOT = Path(__file__).resolve().parents[1]
 BAR = {"corr": 0.7, "rho": 0.5, "active_pct": -8.0}
 
 
@@ -92,16 +91,16 @@ def measure(model: Path, prompts: Path, out: Path, sample: int, eval_fraction: f
             "capture_wall_s": round(cap_s[0], 1), "capture_cpu_s": round(cap_s[1], 1)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, "bench-results/model_quality.json")
     ap.add_argument("--work", default=str(ROOT / "artifacts" / "bench-model-quality"))
     ap.add_argument("--model", default=None, help="a trained checkpoint (default: train the default, cached)")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     ap.add_argument("--sample", type=int, default=500)
     ap.add_argument("--eval-fraction", type=float, default=0.38)
     ap.add_argument("--sets", default="task+language,task")
-    ap.add_argument("--out", default=str(ROOT / "bench-results" / "model_quality.json"))
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    env = environment()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     from eldr_cli.checkpoints.tiny import build_tiny_moe
@@ -140,9 +139,7 @@ def main() -> int:
         print(f"{r['model']:8} {r['prompts']:14} {corr:8.3f} {r['rho']:6.3f} {e['per_batch_pct_vs_rr']:+7.1f}% "
               f"{e['cluster_pct_vs_rr']:+7.1f}% {r['load_avg'][0]:5.1f}")
     print(f"bar: corr >= {BAR['corr']} every layer, rho >= {BAR['rho']}, ELDR/RR <= {BAR['active_pct']}%")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"-> {a.out}")
+    print(f"-> {write_result(a.out, results, env)}")
     return 0
 
 

@@ -13,8 +13,6 @@ Prints a table, writes JSON (default bench-results/place.json).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shutil
@@ -27,9 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.base import ROOT, environment, parser, write_result
 from eldr_cli.data import prompts_file
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _timeit(fn, repeats):
@@ -181,14 +178,14 @@ def _evaluate_tiny(trace: Path, work: Path) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/place.json")
+    ap = parser(__doc__, "bench-results/place.json")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="one generated configuration only")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny-model capture")
     ap.add_argument("--tiny-trace", type=Path, help="reuse a trace captured from the tiny model")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args(argv)
+    env = environment()
     from rich.console import Console
     from rich.table import Table
 
@@ -237,9 +234,7 @@ def main(argv=None):
               "redundant slots (scored with METRO's greedy replica choice)")
     res["note"] = ("speed: generated calibration counts; replay rows marked GENERATED come from eldr_cli.synth, "
                    "not from a model. Replicated EPLB (repl. > 0) is scored with METRO's greedy replica choice.")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    out = write_result(a.out, res, env)
     con.print(f"results written to {out}")
     if not a.keep:
         figs = out.parent / "place-figures"
@@ -250,7 +245,7 @@ def main(argv=None):
                 dst = figs / f"{src.parent.parent.name}-{src.parent.name}.png"
                 shutil.copy(src, dst)
                 r["figure"] = str(dst)
-        out.write_text(json.dumps(res, indent=2))
+        write_result(out, res, env)
         shutil.rmtree(work, ignore_errors=True)
 
 

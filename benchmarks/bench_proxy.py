@@ -20,28 +20,20 @@ serving figures. Prints a table, writes bench-results/proxy.json.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import os
-import platform
-import random
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-BIN = Path(PY).parent
-SHAPE = (48, 128)  # the stub's fake prompt counts [L, E]; the routing artifact matches it
-PD_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-          "remote_block_ids": None, "remote_host": None, "remote_port": None}
+from benchmarks.base import BIN, environment, order, paired_interval, parser, write_result
+from benchmarks.base import loadgen as lg
+from benchmarks.base.procs import cpu_s, flags, free_ports, metrics, rss_mb, spawn, stop
+from benchmarks.base.stubs import fit_routing, start_stubs
+from eldr_cli.testing.servers import wait_http
 
 
 # ------------------------------------------------------------------------------------------ 1
@@ -91,270 +83,9 @@ def bench_decision(n: int = 20000) -> dict:
             "signature_bytes_json": len(json.dumps(reqs[0][1]))}
 
 
-# ------------------------------------------------------------------------------- load generator
-async def _loadgen(args) -> dict:
-    """Open-loop Poisson arrivals (or closed-loop soak). Runs in its own process."""
-    import aiohttp
-
-    rng = random.Random(args.seed)
-    prompts = [f"prompt {i}: " + " ".join(f"word{(i * 31 + j) % 97}" for j in range(40)) for i in range(64)]
-    conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-    timeout = aiohttp.ClientTimeout(total=30)
-    lat, errors, statuses = [], 0, {}
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
-        async def one_direct(body):
-            pre = dict(body, stream=False, max_tokens=1, kv_transfer_params=PD_KTP)
-            async with s.post(args.prefill + "/v1/completions", json=pre) as r:
-                ans = await r.json()
-            ktp = ans.get("kv_transfer_params")
-            if isinstance(ktp, dict):
-                ktp.pop("eldr_signature", None)
-            async with s.post(args.decode + "/v1/completions", json=dict(body, kv_transfer_params=ktp)) as r:
-                await r.read()
-                return r.status
-
-        async def one_proxy(body):
-            async with s.post(args.url + "/v1/completions", json=body) as r:
-                await r.read()
-                return r.status
-
-        fn = one_direct if args.mode == "direct" else one_proxy
-
-        async def timed(body):
-            nonlocal errors
-            t0 = time.perf_counter()
-            try:
-                st = await fn(body)
-            except Exception as e:  # count, keep going
-                st = type(e).__name__
-            dt = time.perf_counter() - t0
-            statuses[str(st)] = statuses.get(str(st), 0) + 1
-            if st == 200:
-                lat.append(dt)
-            else:
-                errors += 1
-
-        # warm-up: open connections, fill caches
-        await asyncio.gather(*(timed({"model": "m", "prompt": prompts[i % 64], "max_tokens": 8})
-                               for i in range(64)))
-        lat.clear()
-        statuses.clear()
-        errors = 0
-        tasks = []
-        t_start = time.perf_counter()
-        t_next = t_start
-        n = int(args.rate * args.duration)
-        for i in range(n):
-            t_next += rng.expovariate(args.rate)
-            delay = t_next - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(timed({"model": "m", "prompt": prompts[i % 64], "max_tokens": 8})))
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - t_start
-    return {"n": n, "ok": len(lat), "errors": errors, "statuses": statuses, "wall_s": wall,
-            "achieved_rps": len(lat) / wall, "lat_s": lat}
-
-
-async def _soak(args) -> dict:
-    """Closed-loop soak with faults; returns per-kind client-side counts."""
-    import aiohttp
-
-    rng = random.Random(args.seed)
-    kinds = [("ok", 0.80), ("prefill_500", 0.03), ("prefill_timeout", 0.01), ("decode_500", 0.03),
-             ("decode_drop", 0.05), ("prefill_nosig", 0.02), ("disconnect", 0.06)]
-    names = [k for k, _ in kinds]
-    weights = [w for _, w in kinds]
-    counts = {k: 0 for k in names}
-    client = {"http_200": 0, "http_error": 0, "stream_error_event": 0, "disconnected": 0, "exceptions": 0}
-    sent = 0
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
-        async def one(i):
-            nonlocal sent
-            kind = rng.choices(names, weights)[0]
-            counts[kind] += 1
-            stream = kind in ("decode_drop", "disconnect") or rng.random() < 0.5
-            marker = f"[[fault:{kind}]] " if kind not in ("ok", "disconnect") else ""
-            body = {"model": "m", "prompt": f"{marker}soak request {i % 500}", "max_tokens": 16, "stream": stream}
-            sent += 1
-            try:
-                async with s.post(args.url + "/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        await r.read()
-                        client["http_error"] += 1
-                        return
-                    if kind == "disconnect":
-                        await r.content.readany()
-                        r.close()  # the client goes away mid-stream
-                        client["disconnected"] += 1
-                        return
-                    data = await r.read()
-                    if stream and b'"error"' in data:
-                        client["stream_error_event"] += 1
-                    else:
-                        client["http_200"] += 1
-            except Exception:
-                client["exceptions"] += 1
-
-        q = asyncio.Queue()
-        for i in range(args.n):
-            q.put_nowait(i)
-
-        async def worker():
-            while not q.empty():
-                await one(q.get_nowait())
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        wall = time.perf_counter() - t0
-    return {"sent": sent, "kinds": counts, "client": client, "wall_s": wall}
-
-
-def loadgen_main(args):
-    try:
-        import uvloop
-
-        run = uvloop.run
-    except ImportError:
-        run = asyncio.run
-    out = run(_soak(args) if args.mode == "soak" else _loadgen(args))
-    Path(args.out).write_text(json.dumps(out))
-
-
-# ------------------------------------------------------------------------------ orchestration
-def _free_ports(n):
-    import socket
-
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _spawn(cmd, log, env=None):
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, **(env or {})), cwd=ROOT)
-
-
-def _stop(p):
-    if p is None or p.poll() is not None:
-        return
-    try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _wait_http(url, timeout=60):
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def _run_loadgen(tmp, mode, rate, duration, **kw):
-    out = tmp / f"lg-{mode}-{rate}-{time.monotonic_ns()}.json"
-    cmd = [PY, str(Path(__file__).resolve()), "--loadgen", "--mode", mode, "--rate", str(rate),
-           "--duration", str(duration), "--out", str(out)]
-    for k, v in kw.items():
-        cmd += [f"--{k}", str(v)]
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return json.loads(out.read_text())
-
-
-def _merge(acc, res):
-    if acc is None:
-        return dict(res, lat_s=list(res["lat_s"]), statuses=dict(res["statuses"]))
-    acc["lat_s"] += res["lat_s"]
-    acc["n"] += res["n"]
-    acc["ok"] += res["ok"]
-    acc["errors"] += res["errors"]
-    acc["wall_s"] += res["wall_s"]
-    acc["achieved_rps"] = acc["ok"] / acc["wall_s"]
-    for k, v in res["statuses"].items():
-        acc["statuses"][k] = acc["statuses"].get(k, 0) + v
-    return acc
-
-
-def _pct(xs, q):
-    return float(np.percentile(xs, q) * 1e3) if xs else float("nan")
-
-
-def _row(res, base):
-    lat = res["lat_s"]
-    r = {"ok": res["ok"], "errors": res["errors"], "achieved_rps": round(res["achieved_rps"], 1),
-         "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99)}
-    if base is not None:
-        r["added_p50_ms"] = r["p50_ms"] - _pct(base["lat_s"], 50)
-        r["added_p99_ms"] = r["p99_ms"] - _pct(base["lat_s"], 99)
-    return r
-
-
-def _rss_mb(pid):
-    import psutil
-
-    return psutil.Process(pid).memory_info().rss / 2**20
-
-
-def _cpu_s(pid):
-    """User + system CPU seconds of a process and its children (threads included)."""
-    import psutil
-
-    p = psutil.Process(pid)
-    t = p.cpu_times()
-    total = t.user + t.system
-    for c in p.children(recursive=True):
-        try:
-            ct = c.cpu_times()
-            total += ct.user + ct.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def _metrics(url):
-    import httpx
-
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        if line.startswith("#"):
-            continue
-        m = re.match(r"([^{ ]+)(\{[^}]*\})? (\S+)", line)
-        if m:
-            out.setdefault(m.group(1), []).append((m.group(2) or "", float(m.group(3))))
-    return out
-
-
-def _parse_args():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/proxy.json")
-    ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="proxy")
-    ap.add_argument("--url", default="")
-    ap.add_argument("--prefill", default="")
-    ap.add_argument("--decode", default="")
-    ap.add_argument("--rate", type=float, default=200)
-    ap.add_argument("--duration", type=float, default=10)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n", type=int, default=10000)
-    ap.add_argument("--concurrency", type=int, default=32)
+def _parse_args(argv):
+    ap = parser(__doc__, "bench-results/proxy.json")
+    ap.add_argument("--concurrency", type=int, default=32, help="the soak's concurrent clients")
     ap.add_argument("--main-duration", type=float, default=15.0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the 50 and 200 req/s rows")
     ap.add_argument("--sweep-duration", type=float, default=6.0)
@@ -363,21 +94,7 @@ def _parse_args():
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--extra-policies", default="eldr-live",
                     help="comma-separated policies run as more rows of our proxy, beside eldr and jsq ('' for none)")
-    return ap.parse_args()
-
-
-def _fit_routing(tmp: Path, decoders: int = 2) -> Path:
-    """A routing artifact for the stub's fake prompt shape (K = ``decoders``), under ``tmp``."""
-    from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.synth import synthetic_trace
-
-    write_trace(tmp / "trace", synthetic_trace(300, SHAPE[0], SHAPE[1], 8, seed=0))
-    return run_fit(tmp / "trace", tmp / "fit", decoders=decoders, pairs=2000, figures=False)
-
-
-def _flags(name, urls):
-    return sum(([name, u] for u in urls), [])
+    return ap.parse_args(argv)
 
 
 class Rig:
@@ -386,7 +103,7 @@ class Rig:
 
     def __init__(self, tmp: Path, routing: Path, extra: tuple[str, ...] = ("eldr-live",)):
         self.tmp, self.routing, self.extra = tmp, routing, extra
-        self.ports = _free_ports(10 + len(extra))
+        self.ports = free_ports(10 + len(extra))
         self.pre = [f"http://127.0.0.1:{p}" for p in self.ports[:2]]
         self.dec = [f"http://127.0.0.1:{p}" for p in self.ports[2:4]]
         self.ours_url = f"http://127.0.0.1:{self.ports[4]}"
@@ -397,34 +114,30 @@ class Rig:
         self.ours_extra = []  # (policy, process, url)
 
     def _start(self, cmd, log, health_url, timeout=60):
-        p = _spawn(cmd, self.tmp / log)
+        p = spawn(cmd, self.tmp / log)
         self.procs.append(p)
-        _wait_http(health_url, timeout=timeout)
+        wait_http(health_url, timeout, proc=p, log=self.tmp / log)
         return p
 
     def start_stubs(self, token_delay_s=None, log="stubs.log"):
         extra = [] if token_delay_s is None else ["--token-delay-s", str(token_delay_s)]
-        self.stubs = _spawn([PY, "-m", "eldr_cli.testing.stub_worker", *_flags("--port", map(str, self.ports[:4])),
-                             "--layers", str(SHAPE[0]), "--experts", str(SHAPE[1]), "--timeout-sleep-s", "2",
-                             *extra], self.tmp / log)
+        self.stubs = start_stubs(self.tmp, self.ports[:4], "--timeout-sleep-s", "2", *extra, log=log)
         self.procs.append(self.stubs)
-        for u in self.pre + self.dec:
-            _wait_http(u + "/health")
 
     def start_ours(self):
         self.ours = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
-                                 *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", "eldr",
+                                 *flags("--prefill", self.pre), *flags("--decode", self.dec), "--policy", "eldr",
                                  "--port", str(self.ports[4]), "--log-level", "warning"],
                                 "ours.log", self.ours_url + "/health")
         # the same proxy with the jsq policy: its cost without the signature handoff
-        self.ours_jsq = self._start([str(BIN / "eldr"), "serve-proxy", *_flags("--prefill", self.pre),
-                                     *_flags("--decode", self.dec), "--policy", "jsq",
+        self.ours_jsq = self._start([str(BIN / "eldr"), "serve-proxy", *flags("--prefill", self.pre),
+                                     *flags("--decode", self.dec), "--policy", "jsq",
                                      "--port", str(self.ports[9]), "--log-level", "warning"],
                                     "ours-jsq.log", self.ours_jsq_url + "/health")
         for policy, port in zip(self.extra, self.ports[10:], strict=True):  # the same proxy, another policy
             url = f"http://127.0.0.1:{port}"
             p = self._start([str(BIN / "eldr"), "serve-proxy", "--routing", str(self.routing),
-                             *_flags("--prefill", self.pre), *_flags("--decode", self.dec), "--policy", policy,
+                             *flags("--prefill", self.pre), *flags("--decode", self.dec), "--policy", policy,
                              "--port", str(port), "--log-level", "warning"], f"ours-{policy}.log", url + "/health")
             self.ours_extra.append((policy, p, url))
 
@@ -434,8 +147,8 @@ class Rig:
         for name, extra, port, prom in (("vllm-router", [], ports[5], ports[7]),
                                         ("vllm-router rr", ["--policy", "round_robin"], ports[6], ports[8])):
             url = f"http://127.0.0.1:{port}"
-            p = self._start([str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *_flags("--prefill", self.pre),
-                             *_flags("--decode", self.dec), "--host", "127.0.0.1", "--port", str(port),
+            p = self._start([str(BIN / "vllm-router"), "--vllm-pd-disaggregation", *flags("--prefill", self.pre),
+                             *flags("--decode", self.dec), "--host", "127.0.0.1", "--port", str(port),
                              "--log-level", "warning", "--max-concurrent-requests", "8192", "--queue-size", "8192",
                              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), *extra],
                             f"peer-{port}.log", url + "/health", timeout=90)
@@ -447,7 +160,7 @@ class Rig:
 
     def stop_all(self):
         for p in self.procs:
-            _stop(p)
+            stop(p)
 
 
 def _measure(rig: Rig, rate, duration, rounds=3):
@@ -461,34 +174,24 @@ def _measure(rig: Rig, rate, duration, rounds=3):
     cpu = {name: [0.0, 0] for name, _, _ in routers}
     per_round: dict = {name: [] for name, _, _ in routers}
     for r in range(rounds):
-        res = _run_loadgen(rig.tmp, "direct", rate, duration / rounds, **direct_kw)
-        base_p50 = _pct(res["lat_s"], 50)
-        pooled["direct"] = _merge(pooled["direct"], res)
-        for name, proc, url in (routers if r % 2 == 0 else routers[::-1]):
-            c0 = _cpu_s(proc.pid)
-            res = _run_loadgen(rig.tmp, "proxy", rate, duration / rounds, url=url)
-            cpu[name][0] += _cpu_s(proc.pid) - c0
+        res = lg.run(rig.tmp, "direct", rate, duration / rounds, **direct_kw)
+        base_p50 = lg.pct(res["lat_s"], 50)
+        pooled["direct"] = lg.merge(pooled["direct"], res)
+        for name, proc, url in order(routers, r):
+            c0 = cpu_s(proc.pid)
+            res = lg.run(rig.tmp, "proxy", rate, duration / rounds, url=url)
+            cpu[name][0] += cpu_s(proc.pid) - c0
             cpu[name][1] += res["ok"] + res["errors"] + 64  # + the warm-up requests
-            pooled[name] = _merge(pooled[name], res)
-            per_round[name].append(_pct(res["lat_s"], 50) - base_p50)
+            pooled[name] = lg.merge(pooled[name], res)
+            per_round[name].append(lg.pct(res["lat_s"], 50) - base_p50)
     base = pooled["direct"]
-    rows = {"direct": _row(base, None)}
+    rows = {"direct": lg.row(base, None)}
     for name, _, _ in routers:
-        rows[name] = _row(pooled[name], base)
+        rows[name] = lg.row(pooled[name], base)
         # router CPU per request: less sensitive to other load on the machine than latency
         rows[name]["cpu_us_per_request"] = cpu[name][0] / max(1, cpu[name][1]) * 1e6
         rows[name]["rounds_added_p50_ms"] = per_round[name]
     return rows
-
-
-def _paired(a: list[float], b: list[float]) -> dict:
-    """Mean of the per-round differences a - b with a 95% t-interval (rounds are the pairs)."""
-    from scipy import stats
-
-    d = np.asarray(a) - np.asarray(b)
-    half = float(stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
-    return {"mean_ms": float(d.mean()), "ci95_ms": [float(d.mean()) - half, float(d.mean()) + half],
-            "rounds": len(d)}
 
 
 def _rate_sweep(rig: Rig, rates, duration, console):
@@ -517,15 +220,6 @@ def _rate_sweep(rig: Rig, rates, duration, console):
     return sweep, best
 
 
-def _run_soak_loadgen(url, n, out, **kw):
-    cmd = [PY, str(Path(__file__).resolve()), "--loadgen", "--mode", "soak", "--url", url, "--n", str(n),
-           "--out", str(out)]
-    for k, v in kw.items():
-        cmd += [f"--{k}", str(v)]
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    return json.loads(Path(out).read_text())
-
-
 def _outcome_deltas(m0, m1):
     outcomes = {}
     for lab, v in m1.get("eldr_proxy_requests_total", []):
@@ -540,9 +234,9 @@ def _outcome_deltas(m0, m1):
 def _soak_phase(rig: Rig, n, concurrency):
     """A fresh proxy with a short prefill timeout (from a config file) over stubs with a 2 ms token
     delay, so that client disconnects land mid-stream; faults injected by the load generator."""
-    _stop(rig.ours)
-    _stop(rig.ours_jsq)
-    _stop(rig.stubs)
+    stop(rig.ours)
+    stop(rig.ours_jsq)
+    stop(rig.stubs)
     rig.start_stubs(token_delay_s=0.002, log="stubs-soak.log")
     cfg = rig.tmp / "soak.toml"
     cfg.write_text("\n".join([f'routing = "{rig.routing}"', f"prefill = {json.dumps(rig.pre)}",
@@ -550,18 +244,18 @@ def _soak_phase(rig: Rig, n, concurrency):
                               "prefill_timeout_s = 0.3", 'log_level = "error"']) + "\n")
     url = rig.ours_url
     ours = rig._start([str(BIN / "eldr"), "serve-proxy", "--config", str(cfg)], "ours-soak.log", url + "/health")
-    _run_soak_loadgen(url, 1000, rig.tmp / "soak-warm.json", seed=1)  # warm-up, then RSS "before"
+    lg.run_soak(url, 1000, rig.tmp / "soak-warm.json", seed=1)  # warm-up, then RSS "before"
     time.sleep(1.5)
-    rss0 = _rss_mb(ours.pid)
-    m0 = _metrics(url)
-    soak = _run_soak_loadgen(url, n, rig.tmp / "soak.json", concurrency=concurrency)
+    rss0 = rss_mb(ours.pid)
+    m0 = metrics(url)
+    soak = lg.run_soak(url, n, rig.tmp / "soak.json", concurrency=concurrency)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:  # timeouts and cancellations settle
-        m1 = _metrics(url)
+        m1 = metrics(url)
         if m1["eldr_proxy_requests_in_progress"][0][1] == 0:
             break
         time.sleep(0.2)
-    rss1 = _rss_mb(ours.pid)
+    rss1 = rss_mb(ours.pid)
     done0 = sum(v for _, v in m0.get("eldr_proxy_requests_total", []))
     done1 = sum(v for _, v in m1.get("eldr_proxy_requests_total", []))
     return {
@@ -618,9 +312,9 @@ def _summary(result):
                 live["added_p50_ms"] / eldr["added_p50_ms"] if eldr["added_p50_ms"] > 0 else None)
             summary[f"ratio_cpu_eldr_live_over_eldr_at_{rate}"] = (live["cpu_us_per_request"]
                                                                     / eldr["cpu_us_per_request"])
-            p = _paired(live["rounds_added_p50_ms"], eldr["rounds_added_p50_ms"])
-            summary[f"eldr_live_minus_eldr_added_p50_ms_at_{rate}"] = p["mean_ms"]
-            summary[f"eldr_live_minus_eldr_added_p50_ci95_ms_at_{rate}"] = [round(x, 3) for x in p["ci95_ms"]]
+            p = paired_interval(live["rounds_added_p50_ms"], eldr["rounds_added_p50_ms"])
+            summary[f"eldr_live_minus_eldr_added_p50_ms_at_{rate}"] = p["mean"]
+            summary[f"eldr_live_minus_eldr_added_p50_ci95_ms_at_{rate}"] = [round(x, 3) for x in p["ci"]]
         summary["eldr_live_max_rate"] = best.get("eldr-live")
     if "vllm-router" in r200:
         summary["vllm_router_added_p50_ms_at_200"] = r200["vllm-router"]["added_p50_ms"]
@@ -657,16 +351,13 @@ def _summary_table(summary, soak):
     return t
 
 
-def main():
-    args = _parse_args()
-    if args.loadgen:
-        return loadgen_main(args)
-
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     from rich.console import Console
 
     console = Console()
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "platform": platform.platform(), "loadavg_start": list(os.getloadavg())},
+    env = environment()
+    result = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
               "note": "stub workers (answer at once), all processes on one machine incl. load generator"}
     console.print("[bold]1. routing decision[/] (K=16, d=20x128)")
     result["decision"] = dec = bench_decision()
@@ -675,7 +366,7 @@ def main():
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     console.print("[bold]2. added latency[/] (fitting a routing artifact for the stub shape ...)")
-    rig = Rig(tmp, _fit_routing(tmp), tuple(p for p in args.extra_policies.split(",") if p))
+    rig = Rig(tmp, fit_routing(tmp), tuple(p for p in args.extra_policies.split(",") if p))
     try:
         rig.start_stubs()
         rig.start_ours()
@@ -688,7 +379,7 @@ def main():
         result["sweep"], result["max_rate_p99_added_below_50ms"] = _rate_sweep(rig, rates, args.sweep_duration,
                                                                                  console)
         for _, p, _ in [*rig.peers, *rig.ours_extra]:
-            _stop(p)
+            stop(p)
         console.print(f"[bold]3. soak[/]: {args.soak_n} requests with injected faults")
         result["soak"] = _soak_phase(rig, args.soak_n, args.concurrency)
     finally:
@@ -698,10 +389,7 @@ def main():
     result["summary"] = _summary(result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     console.print(_summary_table(result["summary"], result["soak"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {out}")
+    console.print(f"wrote {write_result(args.out, result, env)}")
 
 
 if __name__ == "__main__":

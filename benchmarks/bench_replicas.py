@@ -23,14 +23,10 @@ Everything binds 127.0.0.1. Prints tables, writes bench-results/replicas.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import secrets
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,80 +34,39 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_proxy as bp  # noqa: E402  (load generator, process helpers)
-
-from eldr_cli.proxy.replicas.redis_server import RedisServer  # noqa: E402
-from eldr_cli.proxy.replicas.shared import STALENESS_BOUND_S  # noqa: E402
-from eldr_cli.testing.ports import free_port  # noqa: E402
-from eldr_cli.testing.servers import wait_http  # noqa: E402
-
-PY, BIN = bp.PY, bp.BIN
-
-
-def _stubs(tmp, ports, *extra):
-    p = bp._spawn([PY, "-m", "eldr_cli.testing.stub_worker", *sum((["--port", str(x)] for x in ports), []),
-                   "--layers", str(bp.SHAPE[0]), "--experts", str(bp.SHAPE[1]), *extra], tmp / "stubs.log")
-    for x in ports:
-        wait_http(f"http://127.0.0.1:{x}/health", 60, proc=p)
-    return p
-
-
-_KEY = secrets.token_hex(32)
-
-
-def _proxy(tmp, name, pre, dec, port, *extra):
-    env = {"ELDR_STATE_KEY": _KEY}  # the replicas' shared signing key, never a command-line value
-    p = bp._spawn([str(BIN / "eldr"), "serve-proxy", *sum((["--prefill", u] for u in pre), []),
-                   *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
-                   *extra], tmp / f"{name}.log", env=env)
-    wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
-    return p
-
-
-def _loadgen_split(tmp, urls, rate, duration):
-    """One load-generator process per URL, each at rate/len(urls), run at the same time; pooled."""
-    procs, outs = [], []
-    for i, u in enumerate(urls):
-        out = tmp / f"lg-{i}-{time.monotonic_ns()}.json"
-        outs.append(out)
-        procs.append(subprocess.Popen([PY, str(Path(bp.__file__)), "--loadgen", "--mode", "proxy", "--url", u,
-                                      "--rate", str(rate / len(urls)), "--duration", str(duration),
-                                      "--seed", str(i), "--out", str(out)], cwd=bp.ROOT))
-    for p in procs:
-        p.wait()
-    acc = None
-    for out in outs:
-        acc = bp._merge(acc, json.loads(out.read_text()))
-    if acc is not None and len(urls) > 1:
-        acc["wall_s"] /= len(urls)  # the runs were concurrent
-        acc["achieved_rps"] = acc["ok"] / acc["wall_s"]
-    return acc
+from benchmarks.base import BIN, environment, parser, write_result
+from benchmarks.base import loadgen as lg
+from benchmarks.base.procs import cpu_s, flags, metrics, spawn, stop
+from benchmarks.base.stubs import fit_routing, local_urls, sample_spread, start_proxy, start_stubs
+from eldr_cli.proxy.replicas.redis_server import RedisServer
+from eldr_cli.proxy.replicas.shared import STALENESS_BOUND_S
+from eldr_cli.testing.ports import free_port
+from eldr_cli.testing.servers import wait_http
 
 
 # --------------------------------------------------------------------------------------------- 1
 def capacity(tmp, args, routing, redis):
     ports = [free_port() for _ in range(4)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    procs = [_stubs(tmp, ports, "--timeout-sleep-s", "2")]
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    procs = [start_stubs(tmp, ports, "--timeout-sleep-s", "2")]
     rows_def = {}
     try:
         base = ["--routing", str(routing), "--policy", "eldr"]
         p1 = free_port()
-        procs.append(_proxy(tmp, "one", pre, dec, p1, *base))
+        procs.append(start_proxy(tmp, "one", pre, dec, p1, *base))
         rows_def["eldr, 1 process"] = ([procs[-1]], [f"http://127.0.0.1:{p1}"])
         pw = free_port()
-        procs.append(_proxy(tmp, "workers2", pre, dec, pw, *base, "--workers", "2"))
+        procs.append(start_proxy(tmp, "workers2", pre, dec, pw, *base, "--workers", "2"))
         rows_def["eldr, --workers 2"] = ([procs[-1]], [f"http://127.0.0.1:{pw}"])
         ra, rb = free_port(), free_port()
-        pa = _proxy(tmp, "replica-a", pre, dec, ra, *base, "--state", redis.url)
-        pb = _proxy(tmp, "replica-b", pre, dec, rb, *base, "--state", redis.url)
+        pa = start_proxy(tmp, "replica-a", pre, dec, ra, *base, "--state", redis.url)
+        pb = start_proxy(tmp, "replica-b", pre, dec, rb, *base, "--state", redis.url)
         procs += [pa, pb]
         rows_def["eldr, 2 replicas + Redis"] = ([pa, pb, redis.proc], [f"http://127.0.0.1:{ra}", f"http://127.0.0.1:{rb}"])
         if not args.skip_peer and (BIN / "vllm-router").exists():
             pr, prom = free_port(), free_port()
-            p = bp._spawn([str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
-                           *sum((["--prefill", u] for u in pre), []), *sum((["--decode", u] for u in dec), []),
+            p = spawn([str(BIN / "vllm-router"), "--vllm-pd-disaggregation",
+                           *flags("--prefill", pre), *flags("--decode", dec),
                            "--host", "127.0.0.1", "--port", str(pr),
                            "--log-level", "warning", "--max-concurrent-requests", "8192", "--queue-size", "8192",
                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--policy", "round_robin"],
@@ -124,15 +79,15 @@ def capacity(tmp, args, routing, redis):
         for rate in [float(x) for x in args.rates.split(",")]:
             if not any(alive.values()):
                 break
-            base_res = bp._run_loadgen(tmp, "direct", rate, args.duration, prefill=pre[0], decode=dec[0])
-            rows = {"direct": bp._row(base_res, None)}
+            base_res = lg.run(tmp, "direct", rate, args.duration, prefill=pre[0], decode=dec[0])
+            rows = {"direct": lg.row(base_res, None)}
             for name, (ps, urls) in rows_def.items():
                 if not alive[name] and rate != 200:
                     continue
-                c0 = sum(bp._cpu_s(p.pid) for p in ps)
-                res = _loadgen_split(tmp, urls, rate, args.duration)
-                cpu = sum(bp._cpu_s(p.pid) for p in ps) - c0
-                r = bp._row(res, base_res)
+                c0 = sum(cpu_s(p.pid) for p in ps)
+                res = lg.split(tmp, urls, rate, args.duration)
+                cpu = sum(cpu_s(p.pid) for p in ps) - c0
+                r = lg.row(res, base_res)
                 r["cpu_us_per_request"] = cpu / max(1, res["ok"] + res["errors"] + 64 * len(urls)) * 1e6
                 rows[name] = r
                 ok = r["errors"] == 0 and r["added_p99_ms"] < 50 and r["achieved_rps"] >= 0.95 * rate
@@ -146,7 +101,7 @@ def capacity(tmp, args, routing, redis):
         return result
     finally:
         for p in procs:
-            bp._stop(p)
+            stop(p)
 
 
 # --------------------------------------------------------------------------------------------- 2
@@ -179,28 +134,12 @@ async def _stream_load(urls, rate, duration, seed, max_tokens):
     return outcome
 
 
-def _sample_spread(decode_urls, stop, out):
-    """Spread of requests running AT THE DECODERS (each stub's vllm:num_requests_running): the ground
-    truth, the same for both runs, not any proxy's (possibly stale) view of it."""
-    from eldr_cli.proxy.health import parse_running
-
-    with httpx.Client(timeout=2) as c:
-        while not stop.is_set():
-            try:
-                vals = [parse_running(c.get(u + "/metrics").text) for u in decode_urls]
-                if None not in vals:
-                    out.append(max(vals) - min(vals))
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-
-
 def quality(tmp, args, routing4, redis):
     import threading
 
     ports = [free_port() for _ in range(6)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    stubs = _stubs(tmp, ports, "--token-delay-s", "0.05")
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    stubs = start_stubs(tmp, ports, "--token-delay-s", "0.05")
     out = {}
     try:
         for name, n in (("1 proxy", 1), ("2 replicas + Redis", 2)):
@@ -209,18 +148,18 @@ def quality(tmp, args, routing4, redis):
                 port = free_port()
                 log = tmp / f"decisions-{n}-{i}.jsonl"
                 extra = ["--state", redis.url] if n > 1 else []
-                procs.append(_proxy(tmp, f"q{n}{i}", pre, dec, port, "--routing", str(routing4), "--policy", "eldr",
-                                    "--decision-log", str(log), *extra))
+                procs.append(start_proxy(tmp, f"q{n}{i}", pre, dec, port, "--routing", str(routing4), "--policy",
+                                         "eldr", "--decision-log", str(log), *extra))
                 urls.append(f"http://127.0.0.1:{port}")
                 logs.append(log)
-            stop, spreads = threading.Event(), []
-            th = threading.Thread(target=_sample_spread, args=(dec, stop, spreads))
+            done, spreads = threading.Event(), []
+            th = threading.Thread(target=sample_spread, args=(dec, done, spreads))
             th.start()
             outcome = asyncio.run(_stream_load(urls, args.quality_rate, args.quality_duration, 7, 20))
-            stop.set()
+            done.set()
             th.join()
             for p in procs:
-                bp._stop(p)  # flushes the decision logs
+                stop(p)  # flushes the decision logs
             rows = [json.loads(x) for log in logs for x in log.read_text().splitlines()]
             in_band = [r["chosen"] in r["band"] for r in rows if r.get("band") is not None]
             out[name] = {"requests": outcome, "decisions": len(rows),
@@ -234,7 +173,7 @@ def quality(tmp, args, routing4, redis):
         out["spread_p99_ratio_2_over_1"] = (two["spread_p99"] / one["spread_p99"]) if one["spread_p99"] else None
         return out
     finally:
-        bp._stop(stubs)
+        stop(stubs)
 
 
 # --------------------------------------------------------------------------------------------- 3
@@ -263,11 +202,11 @@ def failover(tmp, args, routing, redis):
     import threading
 
     ports = [free_port() for _ in range(4)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    stubs = _stubs(tmp, ports, "--token-delay-s", "0.002")
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    stubs = start_stubs(tmp, ports, "--token-delay-s", "0.002")
     pa, pb = free_port(), free_port()
-    a = _proxy(tmp, "soak-a", pre, dec, pa, "--routing", str(routing), "--state", redis.url)
-    b = _proxy(tmp, "soak-b", pre, dec, pb, "--routing", str(routing), "--state", redis.url)
+    a = start_proxy(tmp, "soak-a", pre, dec, pa, "--routing", str(routing), "--state", redis.url)
+    b = start_proxy(tmp, "soak-b", pre, dec, pb, "--routing", str(routing), "--state", redis.url)
     ua, ub = f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     ca: collections.Counter = collections.Counter()
     cb: collections.Counter = collections.Counter()
@@ -312,7 +251,7 @@ def failover(tmp, args, routing, redis):
                 if h["in_progress"] == 0 and all(w["inflight"] == 0 for w in h["workers"]):
                     break
                 time.sleep(0.1)
-            m = bp._metrics(ua)
+            m = metrics(ua)
         res["survivor"] = {"sent": half, "client": dict(ca), "in_progress_after": h["in_progress"],
                            "inflight_after": sum(w["inflight"] for w in h["workers"]),
                            "state_outages": sum(v for _, v in m.get("eldr_proxy_state_outages_total", [])),
@@ -322,41 +261,11 @@ def failover(tmp, args, routing, redis):
         return res
     finally:
         for p in (a, b, stubs):
-            bp._stop(p)
+            stop(p)
 
 
-def main():
-    from rich.console import Console
+def _tables(console, result: dict) -> None:
     from rich.table import Table
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/replicas.json")
-    ap.add_argument("--rates", default="200,400,600,800,1000,1300,1600")
-    ap.add_argument("--duration", type=float, default=5.0)
-    ap.add_argument("--quality-rate", type=float, default=40.0)
-    ap.add_argument("--quality-duration", type=float, default=15.0)
-    ap.add_argument("--soak-n", type=int, default=5000)
-    ap.add_argument("--skip-peer", action="store_true")
-    args = ap.parse_args()
-    console = Console()
-    from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.synth import synthetic_trace
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
-    write_trace(tmp / "trace", synthetic_trace(300, bp.SHAPE[0], bp.SHAPE[1], 8, seed=0))
-    routing2 = run_fit(tmp / "trace", tmp / "fit2", decoders=2, pairs=2000, figures=False)
-    routing4 = run_fit(tmp / "trace", tmp / "fit4", decoders=4, pairs=2000, figures=False)
-    result: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
-                    "note": "stub workers; proxies, redis-server, stubs and load generators on one 2-core machine"}
-    with RedisServer() as redis:
-        console.print("[bold]1. capacity[/] (stub workers that answer at once)")
-        result["capacity"] = capacity(tmp, args, routing2, redis)
-        console.print("[bold]2. routing quality[/], 1 proxy vs 2 replicas (2P4D, slow streams)")
-        result["quality"] = quality(tmp, args, routing4, redis)
-        console.print(f"[bold]3. failover soak[/]: {args.soak_n} requests, SIGKILL one replica, restart Redis")
-        result["failover"] = failover(tmp, args, routing2, redis)
-    result["machine"]["loadavg_end"] = list(os.getloadavg())
 
     cap = result["capacity"]
     t = Table(title="proxy replicas vs one process (STUB workers; ms, CPU us/req)")
@@ -368,9 +277,18 @@ def main():
         t.add_row(name, str(int(best)) if best else "-", f"{r.get('added_p50_ms', float('nan')):.2f}",
                   f"{r.get('added_p99_ms', float('nan')):.2f}", f"{r.get('cpu_us_per_request', float('nan')):.0f}")
     console.print(t)
-    one = cap["max_rate_p99_added_below_50ms"].get("eldr, 1 process")
-    w2 = cap["max_rate_p99_added_below_50ms"].get("eldr, --workers 2")
-    result["summary"] = {
+    t2 = Table(title="summary")
+    t2.add_column("figure")
+    t2.add_column("value", justify="right")
+    for k, v in result["summary"].items():
+        t2.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
+    console.print(t2)
+
+
+def _summary(result: dict) -> dict:
+    best = result["capacity"]["max_rate_p99_added_below_50ms"]
+    one, w2 = best.get("eldr, 1 process"), best.get("eldr, --workers 2")
+    return {
         "workers2_over_one_max_rate": (w2 / one) if one and w2 else None,
         "spread_max_ratio_2_over_1": result["quality"]["spread_max_ratio_2_over_1"],
         "in_band_share_2_replicas": result["quality"]["2 replicas + Redis"]["in_band_share"],
@@ -378,16 +296,36 @@ def main():
         "survivor_failed": sum(v for k, v in result["failover"]["survivor"]["client"].items()
                                if k not in ("ok", "done")),
     }
-    t2 = Table(title="summary")
-    t2.add_column("figure")
-    t2.add_column("value", justify="right")
-    for k, v in result["summary"].items():
-        t2.add_row(k, f"{v:.3f}" if isinstance(v, float) else str(v))
-    console.print(t2)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.console import Console
+
+    ap = parser(__doc__, "bench-results/replicas.json")
+    ap.add_argument("--rates", default="200,400,600,800,1000,1300,1600", help="the capacity part's rates, req/s")
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per rate and row")
+    ap.add_argument("--quality-rate", type=float, default=40.0)
+    ap.add_argument("--quality-duration", type=float, default=15.0)
+    ap.add_argument("--soak-n", type=int, default=5000, help="requests of the failover soak")
+    ap.add_argument("--skip-peer", action="store_true", help="without vllm-router")
+    args = ap.parse_args(argv)
+    console = Console()
+    env = environment()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
+    routing2, routing4 = fit_routing(tmp, decoders=2), fit_routing(tmp, decoders=4)
+    result: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
+                    "note": "stub workers; proxies, redis-server, stubs and load generators on one 2-core machine"}
+    with RedisServer() as redis:
+        console.print("[bold]1. capacity[/] (stub workers that answer at once)")
+        result["capacity"] = capacity(tmp, args, routing2, redis)
+        console.print("[bold]2. routing quality[/], 1 proxy vs 2 replicas (2P4D, slow streams)")
+        result["quality"] = quality(tmp, args, routing4, redis)
+        console.print(f"[bold]3. failover soak[/]: {args.soak_n} requests, SIGKILL one replica, restart Redis")
+        result["failover"] = failover(tmp, args, routing2, redis)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    result["summary"] = _summary(result)
+    _tables(console, result)
+    console.print(f"wrote {write_result(args.out, result, env)}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Prints the verdict table; writes bench-results/report.json. Every capacity and T
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -21,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
+from benchmarks.base import PY, ROOT, environment, parser, write_result
 
 
 def eldr(*args) -> float:
@@ -72,10 +70,10 @@ def print_table(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench-results/report.json")
-    ap.add_argument("--tiny-trace", default=str(ROOT / "artifacts/trace"))
+    ap = parser(__doc__, "bench-results/report.json")
+    ap.add_argument("--tiny-trace", default=str(ROOT / "artifacts/trace"), help="the tiny model's trace, when present")
     a = ap.parse_args(argv)
+    env = environment()
     from eldr_cli.capture.oic_fixtures import write_oic_tree
 
     res: dict = {"runs": []}
@@ -99,9 +97,7 @@ def main(argv=None) -> int:
                 res["tiny_error"] = f"eldr report exited {e.returncode} on {tiny}"
         else:
             res["tiny_error"] = f"no tiny-model trace at {tiny} (make capture writes one)"
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=float) + "\n")
+    out = write_result(a.out, res, env)
     print_table(res)
     for r in res["runs"]:
         print(f"{r['workload']}: {r['topology']}, {r['seeds']} seeds, {len(r['routers'])} routers, "

@@ -15,54 +15,16 @@ decision is the anchor. GENERATED data. Prints a table, writes bench-results/rou
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
-import time
-from pathlib import Path
 
 import numpy as np
 
-L, E, K, KEPT, M, INFLIGHT = 48, 128, 16, 20, 32, 64
+from benchmarks.base import environment, parser, write_result
+from benchmarks.base.decisions import INFLIGHT, KEPT, E, K, L, M, build, time_calls
+
 ROUTERS = ("jsq", "eldr", "eldr-live")
 PAPER_DECISION_MS = 0.15
-
-
-def build(rng):
-    from eldr_cli.routing import RoutingModel
-
-    mask = np.arange(0, 2 * KEPT, 2)
-    d = KEPT * E
-    cent = rng.random((K, d))
-    cent /= np.linalg.norm(cent, axis=1, keepdims=True)
-    protos = rng.random((M, d))
-    protos /= np.linalg.norm(protos, axis=1, keepdims=True)
-    act = np.clip(rng.dirichlet(np.full(E, 0.3), size=(M + 1, L)) * 8, 0, 0.999).astype(np.float32)
-    # eldr-live's per-request predictor (issue 35): the prototype's mean shrunk toward the request's own prefill
-    # distribution on every layer (the fit keeps kappa = inf where the prototype alone predicts better)
-    shrink = (np.full(L, 32.0), np.full(L, 0.5))
-    return RoutingModel("count-idf", rng.random((L, E)) + 0.1, mask, cent, tau=0.1, live=(protos, act),
-                        live_shrinkage=shrink, top_k=8)
-
-
-def percentiles(ns: list[int]) -> dict:
-    a = np.asarray(ns, dtype=np.float64) / 1e3
-    return {"p50_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99))}
-
-
-def time_calls(fn, n: int, between=None) -> tuple[dict, dict]:
-    """Wall and CPU percentiles of ``fn(i)``; ``between(i, result)`` runs untimed after each call."""
-    wall, cpu = [], []
-    pc, tc = time.perf_counter_ns, time.thread_time_ns
-    for i in range(n):
-        w0, c0 = pc(), tc()
-        res = fn(i)
-        cpu.append(tc() - c0)
-        wall.append(pc() - w0)
-        if between is not None:
-            between(i, res)
-    return percentiles(wall), percentiles(cpu)
 
 
 def bench_router(name: str, model, reqs, n: int) -> dict:
@@ -95,10 +57,10 @@ def bench_router(name: str, model, reqs, n: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench-results/routing.json")
-    ap.add_argument("-n", type=int, default=20000)
+    ap = parser(__doc__, "bench-results/routing.json")
+    ap.add_argument("-n", type=int, default=20000, help="timed decisions per router (default: %(default)s)")
     a = ap.parse_args(argv)
+    env = environment()
     rng = np.random.default_rng(0)
     model = build(rng)
     reqs = [np.stack([rng.multinomial(2400, rng.dirichlet(np.full(E, 0.3))) for _ in range(L)]) for _ in range(64)]
@@ -117,11 +79,9 @@ def main(argv=None) -> int:
     live = next(r for r in rows if r["router"] == "eldr-live")
     print(f"eldr-live decision CPU p99 {live['decision_cpu']['p99_us']:.0f} us (target <= 100 us); paper's "
           f"decision {PAPER_DECISION_MS * 1e3:.0f} us")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"shape": {"K": K, "L": L, "E": E, "d": KEPT * E, "prototypes": M,
-                                                 "inflight_per_decoder": INFLIGHT},
-                                       "load_average": [load0, load1], "rows": rows,
-                                       "paper_decision_ms": PAPER_DECISION_MS}, indent=1))
+    write_result(a.out, {"shape": {"K": K, "L": L, "E": E, "d": KEPT * E, "prototypes": M,
+                                   "inflight_per_decoder": INFLIGHT},
+                         "load_average": [load0, load1], "rows": rows, "paper_decision_ms": PAPER_DECISION_MS}, env)
     return 0
 
 

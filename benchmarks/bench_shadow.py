@@ -6,21 +6,17 @@ assignment. The live policy is JSQ; one shadow eldr-live (the issue's bound: <= 
 pending live-set updates are paid in the next call. Wall time per call swings with other processes on a shared
 machine; CPU time of the thread is the code's own cost. GENERATED data.
 
-    .venv/bin/python benchmarks/bench_shadow.py --out bench-results/shadow.json
+    .venv/bin/python -m benchmarks.bench_shadow --out bench-results/shadow.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routing import INFLIGHT, E, K, L, build, percentiles, time_calls  # noqa: E402
+from benchmarks.base import environment, parser, write_result
+from benchmarks.base.decisions import INFLIGHT, E, K, L, build, percentiles, time_calls
 
 
 def _state(model):
@@ -90,11 +86,11 @@ def _on_the_path(s, st, reqs, n: int) -> dict:
     return percentiles(asyncio.run(run()))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=5000)
-    ap.add_argument("--out", default="bench-results/shadow.json")
-    a = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "bench-results/shadow.json")
+    ap.add_argument("--calls", type=int, default=5000, help="timed decisions with one shadow (default: %(default)s)")
+    a = ap.parse_args(argv)
+    env = environment()
     rng = np.random.default_rng(0)
     model = build(rng)
     reqs = [rng.poisson(0.5, size=(L, E)) for _ in range(256)]
@@ -108,8 +104,7 @@ def main() -> None:
                   f"{r['wall']['p50_us']:.1f} / {r['wall']['p99_us']:.1f}",
                   f"{r['cpu']['p50_us']:.1f} / {r['cpu']['p99_us']:.1f}")
     console.print(t)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"results": res, "bound_p99_us": 50}, indent=2))
+    write_result(a.out, {"results": res, "bound_p99_us": 50}, env)
 
 
 if __name__ == "__main__":

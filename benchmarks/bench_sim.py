@@ -23,24 +23,22 @@ simulator against the emulated cluster. Prints a table, writes bench-results/sim
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.base import PY, ROOT, environment, parser, write_result
+from benchmarks.base.procs import spawn, stop
 from eldr_cli.testing.ports import free_port, free_port_range
 from eldr_cli.testing.servers import wait_file, wait_http
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = str(ROOT / ".venv/bin/python") if (ROOT / ".venv/bin/python").exists() else sys.executable
 ROUTERS = ["round-robin", "random", "jsq", "p2c", "domain", "eldr"]
 SPEED_ROUTERS = [*ROUTERS, "oracle"]
 # the same run on the code before the simulator was rewritten (commit a076c36, measured by hand with
@@ -53,20 +51,6 @@ BEFORE = {"commit": "a076c36", "config": "8P16D, 20..100 req/s x 120 s (+30 s wa
 LBS = ("round-robin", "random", "jsq", "p2c")
 
 
-def _start(args, log, env=None):
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
-
-
-def _stop(p):
-    if p is not None and p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-
-
 def find_trace(arg):
     for c in ([arg] if arg else []) + [ROOT / "artifacts/bench-sim/trace", ROOT / "artifacts/demo/trace"]:
         if c and (Path(c) / "manifest.json").exists():
@@ -76,10 +60,10 @@ def find_trace(arg):
     return None, "generated"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench-results/sim.json")
-    ap.add_argument("--trace", default=None)
+def _parse(argv):
+    ap = parser(__doc__, "bench-results/sim.json")
+    ap.add_argument("--trace", default=None, help="the trace of the report part (default: a captured one, else "
+                                                  "GENERATED)")
     ap.add_argument("--cost-model", default=None, help="reuse a cost model (default: measure one now)")
     ap.add_argument("--speed-rates", default="20,40,60,80,100")
     ap.add_argument("--report-rates", default="2,4,6,8,10")
@@ -91,97 +75,83 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-agreement", action="store_true")
     ap.add_argument("--sim-workers", type=int, default=None, help="processes for the speed run (default: auto)")
     ap.add_argument("--only-speed", action="store_true", help="section 1 only")
-    a = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from rich.console import Console
+    return ap.parse_args(argv)
+
+
+def _speed_table(s: dict):
     from rich.table import Table
 
+    t2 = Table(title="simulator speed")
+    for c in ("measure", "value", "target / peer"):
+        t2.add_column(c)
+    speed_row(t2, s)
+    return t2
+
+
+def _inputs(work: Path, a, res: dict) -> tuple[Path, Path]:
+    """The report's trace (captured when found, else GENERATED) and cost model (given, else measured now);
+    fits the routing for 16 decoders under ``work``."""
     from eldr_cli.artifacts.trace import write_trace
-    from eldr_cli.bench.workload import parse_rates
     from eldr_cli.costmodel import CostModel
     from eldr_cli.costmodel.moe_layer import run_moe_layer
     from eldr_cli.pipeline.fit import run_fit
-    from eldr_cli.pipeline.simulate import run_simulate
     from eldr_cli.synth import synthetic_trace
 
-    con = Console(width=130)
-    work = Path(tempfile.mkdtemp(prefix="bench-sim-"))
-    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                             "load_avg_at_start": os.getloadavg()[0]}}
-    try:
-        # -- 1. speed ------------------------------------------------------------------------
-        res["speed"] = bench_speed(work, a)
-        if a.only_speed:
-            out = Path(a.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(res, indent=2, default=float) + "\n")
-            t2 = Table(title="simulator speed")
-            for c in ("measure", "value", "target / peer"):
-                t2.add_column(c)
-            speed_row(t2, res["speed"])
-            con.print(t2)
-            con.print(f"-> {out}")
-            return 0
-        # -- inputs ---------------------------------------------------------------------------
-        trace, origin = find_trace(a.trace)
-        if trace is None:
-            trace = work / "trace"
-            write_trace(trace, synthetic_trace(1000, 8, 64, 8, decode_steps=128, with_picks=True, seed=0))
-        tm = json.loads((trace / "manifest.json").read_text())["params"]
-        if tm.get("model") and (Path(tm["model"]) / "tokenizer.json").exists():
-            a.tokenizer = tm["model"]
-        label = ("task.jsonl prompts, expert picks CAPTURED from the tiny model" if origin == "captured"
-                 else "GENERATED trace (eldr_cli.synth): no captured tiny-model trace was found")
-        res["workload"] = {"trace": str(trace), "origin": origin, "model": tm.get("model"), "label": label}
-        if a.cost_model:
-            cost = Path(a.cost_model)
-        else:
-            cost = work / "cost"
-            t0 = time.perf_counter()
-            run_moe_layer(cost)
-            res["cost_model_measure_s"] = time.perf_counter() - t0
-        cm = CostModel.load(cost)
-        res["cost_model"] = {**cm.as_params(), "path": str(cost)}
-        run_fit(trace, work / "fit", decoders=16, figures=False)
+    trace, origin = find_trace(a.trace)
+    if trace is None:
+        trace = work / "trace"
+        write_trace(trace, synthetic_trace(1000, 8, 64, 8, decode_steps=128, with_picks=True, seed=0))
+    tm = json.loads((trace / "manifest.json").read_text())["params"]
+    if tm.get("model") and (Path(tm["model"]) / "tokenizer.json").exists():
+        a.tokenizer = tm["model"]
+    label = ("task.jsonl prompts, expert picks CAPTURED from the tiny model" if origin == "captured"
+             else "GENERATED trace (eldr_cli.synth): no captured tiny-model trace was found")
+    res["workload"] = {"trace": str(trace), "origin": origin, "model": tm.get("model"), "label": label}
+    if a.cost_model:
+        cost = Path(a.cost_model)
+    else:
+        cost = work / "cost"
+        t0 = time.perf_counter()
+        run_moe_layer(cost)
+        res["cost_model_measure_s"] = time.perf_counter() - t0
+    res["cost_model"] = {**CostModel.load(cost).as_params(), "path": str(cost)}
+    run_fit(trace, work / "fit", decoders=16, figures=False)
+    return trace, cost
 
-        # -- 2. report ------------------------------------------------------------------------
-        run_simulate(work / "report", trace=trace, cost_model=cost, routing=work / "fit", split="evaluation",
-                     routers=ROUTERS, rates=parse_rates(a.report_rates), n_prefill=8, n_decode=16,
-                     duration_s=a.duration, warmup_s=a.warmup, max_tokens=512, title="bench-sim")
-        rep = json.loads((work / "report" / "summary.json").read_text())
-        per = {}
-        for c in rep["comparison"]:
-            runs = [r for r in rep["runs"] if r["router"] == c["router"]]
-            per[c["router"]] = {
-                "median_tpot_ms": c["median_tpot_ms"], "p99_tpot_ms": c["p99_tpot_ms"],
-                "median_ttft_ms": c["median_ttft_ms"], "median_tpot_pct_vs_rr": c["median_tpot_ms_pct_vs_rr"],
-                "median_tpot_pct_vs_best_lb": c["median_tpot_ms_pct_vs_best_lb"],
-                "p99_tpot_pct_vs_best_lb": c["p99_tpot_ms_pct_vs_best_lb"],
-                "active_experts_per_layer_step": sum(r["mean_active_experts_per_step"] for r in runs) / len(runs),
-                "mean_decode_batch": sum(r["mean_decode_batch"] for r in runs) / len(runs)}
-        rr_act = per["round-robin"]["active_experts_per_layer_step"]
-        for v in per.values():
-            v["active_experts_pct_vs_rr"] = 100 * (v["active_experts_per_layer_step"] - rr_act) / rr_act
-        res["report"] = {"mode": "simulated", "config": "8P16D", "rates": parse_rates(a.report_rates),
-                         "duration_s": a.duration, "warmup_s": a.warmup, "max_tokens": 512, "routers": per}
-        figdir = ROOT / "bench-results" / "sim-figures"
-        figdir.mkdir(parents=True, exist_ok=True)
-        for f in ("fig11_sweep.png", "fig13_active_experts.png"):
-            shutil.copy(work / "report" / f, figdir / f)
-        res["report"]["figures"] = [str(figdir / f) for f in ("fig11_sweep.png", "fig13_active_experts.png")]
 
-        # -- 3. load generator ----------------------------------------------------------------
-        res["load_generator"] = bench_loadgen(work, a, con)
+def _report(work: Path, trace: Path, cost: Path, a) -> dict:
+    """Section 2: SIMULATED 8P16D per router; the two figures copied into bench-results/sim-figures/."""
+    from eldr_cli.bench.workload import parse_rates
+    from eldr_cli.pipeline.simulate import run_simulate
 
-        # -- 4. agreement ---------------------------------------------------------------------
-        if not a.skip_agreement:
-            res["agreement"] = bench_agreement(work, trace, cost)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    run_simulate(work / "report", trace=trace, cost_model=cost, routing=work / "fit", split="evaluation",
+                 routers=ROUTERS, rates=parse_rates(a.report_rates), n_prefill=8, n_decode=16,
+                 duration_s=a.duration, warmup_s=a.warmup, max_tokens=512, title="bench-sim")
+    rep = json.loads((work / "report" / "summary.json").read_text())
+    per = {}
+    for c in rep["comparison"]:
+        runs = [r for r in rep["runs"] if r["router"] == c["router"]]
+        per[c["router"]] = {
+            "median_tpot_ms": c["median_tpot_ms"], "p99_tpot_ms": c["p99_tpot_ms"],
+            "median_ttft_ms": c["median_ttft_ms"], "median_tpot_pct_vs_rr": c["median_tpot_ms_pct_vs_rr"],
+            "median_tpot_pct_vs_best_lb": c["median_tpot_ms_pct_vs_best_lb"],
+            "p99_tpot_pct_vs_best_lb": c["p99_tpot_ms_pct_vs_best_lb"],
+            "active_experts_per_layer_step": sum(r["mean_active_experts_per_step"] for r in runs) / len(runs),
+            "mean_decode_batch": sum(r["mean_decode_batch"] for r in runs) / len(runs)}
+    rr_act = per["round-robin"]["active_experts_per_layer_step"]
+    for v in per.values():
+        v["active_experts_pct_vs_rr"] = 100 * (v["active_experts_per_layer_step"] - rr_act) / rr_act
+    figdir = ROOT / "bench-results" / "sim-figures"
+    figdir.mkdir(parents=True, exist_ok=True)
+    figs = ("fig11_sweep.png", "fig13_active_experts.png")
+    for f in figs:
+        shutil.copy(work / "report" / f, figdir / f)
+    return {"mode": "simulated", "config": "8P16D", "rates": parse_rates(a.report_rates), "duration_s": a.duration,
+            "warmup_s": a.warmup, "max_tokens": 512, "routers": per, "figures": [str(figdir / f) for f in figs]}
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=float) + "\n")
+
+def _tables(con, res: dict) -> None:
+    from rich.table import Table
 
     t = Table(title=f"bench-sim -- SIMULATED 8P16D, {res['workload']['label']}")
     for c in ("router", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "p50 vs best LB", "p99 vs best LB",
@@ -192,16 +162,12 @@ def main(argv=None) -> int:
                   f"{v['median_tpot_pct_vs_best_lb']:+.1f}%", f"{v['p99_tpot_pct_vs_best_lb']:+.1f}%",
                   f"{v['active_experts_per_layer_step']:.2f}", f"{v['active_experts_pct_vs_rr']:+.1f}%")
     con.print(t)
-    s = res["speed"]
-    t2 = Table(title="speed and honesty")
-    for c in ("measure", "value", "target / peer"):
-        t2.add_column(c)
-    speed_row(t2, s)
+    t2 = _speed_table(res["speed"])
+    t2.title = "speed and honesty"
     lg = res["load_generator"]
     t2.add_row(f"load generator at {lg['rate']:g} req/s: schedule lag p50 / p99",
                f"{lg['median_lag_ms']:.3f} / {lg['p99_lag_ms']:.3f} ms, achieved {lg['achieved_rate']:.1f} req/s "
-               f"(load avg {lg['load_avg_1min']:.1f}), "
-               f"{lg['failed']} failed", "median < 1 ms")
+               f"(load avg {lg['load_avg_1min']:.1f}), {lg['failed']} failed", "median < 1 ms")
     if lg.get("peer"):
         p = lg["peer"]
         t2.add_row("  peer vllm bench serve (same server, same rate)",
@@ -209,17 +175,42 @@ def main(argv=None) -> int:
                    f"{p.get('median_tpot_ms', float('nan')):.2f} ms",
                    f"ratio ours/peer: rate {lg.get('rate_ratio_vs_peer', float('nan')):.3f}, "
                    f"TPOT {lg.get('tpot_ratio_vs_peer', float('nan')):.3f}")
-    if res.get("agreement"):
+    for r in res.get("agreement", {}).get("routers", []):
         g = res["agreement"]
-        for r in g["routers"]:
-            if r["ratio"] is None:
-                t2.add_row(f"emulated vs simulated 2P4D @ {g['rate']:g} req/s ({r['router']})",
-                           f"no TPOT: {r['emulated_failed']} / {r['simulated_failed']} failed", "-")
-                continue
-            t2.add_row(f"emulated vs simulated 2P4D @ {g['rate']:g} req/s ({r['router']})",
-                       f"TPOT p50 {r['emulated_tpot_ms']:.1f} vs {r['simulated_tpot_ms']:.1f} ms",
+        what = f"emulated vs simulated 2P4D @ {g['rate']:g} req/s ({r['router']})"
+        if r["ratio"] is None:
+            t2.add_row(what, f"no TPOT: {r['emulated_failed']} / {r['simulated_failed']} failed", "-")
+        else:
+            t2.add_row(what, f"TPOT p50 {r['emulated_tpot_ms']:.1f} vs {r['simulated_tpot_ms']:.1f} ms",
                        f"ratio {r['ratio']:.3f} (within 10%: {abs(r['ratio'] - 1) < 0.1})")
     con.print(t2)
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    from rich.console import Console
+
+    con = Console(width=130)
+    env = environment()
+    work = Path(tempfile.mkdtemp(prefix="bench-sim-"))
+    res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                             "load_avg_at_start": os.getloadavg()[0]}}
+    try:
+        res["speed"] = bench_speed(work, a)  # 1. speed
+        if a.only_speed:
+            out = write_result(a.out, res, env)
+            con.print(_speed_table(res["speed"]))
+            con.print(f"-> {out}")
+            return 0
+        trace, cost = _inputs(work, a, res)
+        res["report"] = _report(work, trace, cost, a)  # 2. report
+        res["load_generator"] = bench_loadgen(work, a, con)  # 3. load generator
+        if not a.skip_agreement:  # 4. agreement
+            res["agreement"] = bench_agreement(work, trace, cost)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out = write_result(a.out, res, env)
+    _tables(con, res)
     con.print(f"figures: {', '.join(res['report']['figures'])}\n-> {out}")
     return 0
 
@@ -274,7 +265,7 @@ def bench_loadgen(work: Path, a, con) -> dict:
     import polars as pl
 
     port = free_port()
-    stub = _start([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
+    stub = spawn([PY, "-m", "eldr_cli.testing.stub_worker", "--port", str(port), "--token-delay-s", "0.005"],
                   work / "stub.log")
     out: dict = {"rate": a.lag_rate, "duration_s": a.lag_duration, "server": "eldr_cli.testing.stub_worker "
                  "(16 tokens, 5 ms apart)", "max_tokens": 16}
@@ -302,7 +293,7 @@ def bench_loadgen(work: Path, a, con) -> dict:
             if p.get("median_tpot_ms"):
                 out["tpot_ratio_vs_peer"] = s["median_tpot_ms"] / p["median_tpot_ms"]
     finally:
-        _stop(stub)
+        stop(stub)
     return out
 
 
@@ -349,7 +340,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
     token = secrets.token_urlsafe(32)  # an admin token holds 256 bits
     res = {"config": "2P4D", "rate": 3.0, "duration_s": 30.0, "warmup_s": 5.0, "max_tokens": 64, "routers": []}
     try:
-        emu = _start([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
+        emu = spawn([PY, "-m", "eldr_cli", "emulate", "--prefill", "2", "--decode", "4", "--trace", str(trace),
                       "--cost-model", str(cost), "--base-port", str(base), "--cluster-file",
                       str(work / "cluster.json")], work / "emu.log")
         wait_file(work / "cluster.json", 60, proc=emu, log=work / "emu.log")
@@ -360,7 +351,7 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
             args += ["--prefill", u]
         for u in info["decode"]:
             args += ["--decode", u]
-        proxy = _start(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": token})
+        proxy = spawn(args, work / "proxy.log", env={"ELDR_ADMIN_TOKEN": token})
         wait_http(f"http://127.0.0.1:{base + 6}/health", 90, proc=proxy, log=work / "proxy.log")
         kw = dict(rates=[3.0], duration_s=30.0, warmup_s=5.0, max_tokens=64, split="evaluation")
         run_bench(work / "emulated", url=f"http://127.0.0.1:{base + 6}", prompts=trace, routers=["round-robin", "eldr"],
@@ -377,8 +368,8 @@ def bench_agreement(work: Path, trace: Path, cost: Path) -> dict:
                                    "emulated_failed": x["failed"], "simulated_failed": y["failed"],
                                    "emulated_step_late_ms_p50": x.get("median_step_late_ms")})
     finally:
-        _stop(proxy)
-        _stop(emu)
+        stop(proxy)
+        stop(emu)
     return res
 
 

@@ -13,18 +13,14 @@
    every 20 ms). EMULATED: stub decoders, no model. ``--herd-policy eldr-live`` runs it with eldr-live
    (a routing artifact of the stubs' shape is fitted first).
 
-Prints tables, writes bench-results/state.json. Usage: ``python benchmarks/bench_state.py [--parts sign,cpu,herd]``.
+Prints tables, writes bench-results/state.json. Usage: ``python -m benchmarks.bench_state [--parts sign,cpu,herd]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import secrets
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,15 +29,14 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_proxy as bp  # noqa: E402
-import bench_replicas as br  # noqa: E402
+from benchmarks.base import PY, ROOT, environment, order, paired_interval, parser, tree_at, write_result
+from benchmarks.base import loadgen as lg
+from benchmarks.base.procs import cpu_s, flags, metrics, spawn, stop
+from benchmarks.base.stubs import KEY, fit_routing, local_urls, sample_spread, start_proxy, start_stubs
+from eldr_cli.proxy.replicas.redis_server import RedisServer
+from eldr_cli.testing.ports import free_port
+from eldr_cli.testing.servers import wait_http
 
-from eldr_cli.proxy.replicas.redis_server import RedisServer  # noqa: E402
-from eldr_cli.testing.ports import free_port  # noqa: E402
-from eldr_cli.testing.servers import wait_http  # noqa: E402
-
-ROOT = bp.ROOT
 W4 = ["--workers", "4"]
 HERD_VARIANTS = [("1 proxy", []), ("--workers 4, no reservation", W4 + ["--state-reserve-ms", "0"])] + [
     (f"--workers 4, reservation ({ms} ms)", W4 + ["--state-reserve-ms", ms]) for ms in ("50", "500")]
@@ -117,35 +112,22 @@ def bench_sign(n: int = 20000) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ 2
-def _before_tree(tmp: Path, rev: str | None = None) -> Path:
-    """``eldr_cli`` of ``rev`` (default: where this branch left main; on main itself, pass the commit to compare
-    with, e.g. the one before a change was merged)."""
-    base = rev or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.strip()
-    dst = tmp / "before"
-    dst.mkdir()
-    arch = subprocess.run(["git", "archive", base, "eldr_cli"], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dst)], input=arch, check=True)
-    return dst
-
-
-_KEY = secrets.token_hex(32)
-
-
 def _replica(tmp, name, tree, pre, dec, state, port, *extra):
-    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": _KEY}  # both trees accept a 256-bit hex key
-    p = bp._spawn([bp.PY, "-m", "eldr_cli", "serve-proxy", *sum((["--prefill", u] for u in pre), []),
-                   *sum((["--decode", u] for u in dec), []), "--port", str(port), "--log-level", "warning",
-                   "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log", env=env)
+    env = {"PYTHONPATH": str(tree), "ELDR_STATE_KEY": KEY}  # both trees accept a 256-bit hex key
+    # cwd = the tree: `python -m` puts the working directory before PYTHONPATH (with cwd = the checkout, the
+    # "before" replicas ran this tree's code)
+    p = spawn([PY, "-m", "eldr_cli", "serve-proxy", *flags("--prefill", pre), *flags("--decode", dec), "--port",
+               str(port), "--log-level", "warning", "--policy", "jsq", "--state", state, *extra], tmp / f"{name}.log",
+              env=env, cwd=tree)
     wait_http(f"http://127.0.0.1:{port}/health", 90, proc=p)
     return p
 
 
 def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int, before_rev: str | None = None) -> dict:
     ports = [free_port() for _ in range(4)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    before = _before_tree(tmp, before_rev)
-    procs = [br._stubs(tmp, ports)]
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    before = tree_at(before_rev, tmp / "before")
+    procs = [start_stubs(tmp, ports)]
     rows = (("before", before, 1, []), ("after", ROOT, 2, []),
             ("after, reservation off", ROOT, 3, ["--state-reserve-ms", "0"]))
     res: dict = {"rate": rate, "duration_s": duration, "rounds": rounds, "before_rev": before_rev,
@@ -160,30 +142,27 @@ def bench_cpu(tmp: Path, rate: float, duration: float, rounds: int, before_rev: 
                 procs += ps
                 variants[name] = (ps, [f"http://127.0.0.1:{p}" for p in rp])
             time.sleep(1.0)
-            for _ in range(rounds):
-                for name, (ps, urls) in variants.items():
-                    c0 = sum(bp._cpu_s(p.pid) for p in ps) + bp._cpu_s(redis.proc.pid)
-                    out = br._loadgen_split(tmp, urls, rate, duration)
-                    cpu = sum(bp._cpu_s(p.pid) for p in ps) + bp._cpu_s(redis.proc.pid) - c0
+            for r in range(rounds):
+                for name in order(variants, r):
+                    ps, urls = variants[name]
+                    c0 = sum(cpu_s(p.pid) for p in ps) + cpu_s(redis.proc.pid)
+                    out = lg.split(tmp, urls, rate, duration)
+                    cpu = sum(cpu_s(p.pid) for p in ps) + cpu_s(redis.proc.pid) - c0
                     res[name].append({"cpu_us_per_request": cpu / max(1, out["ok"]) * 1e6, "ok": out["ok"],
                                       "errors": out["errors"]})
         finally:
             for p in procs:
-                bp._stop(p)
+                stop(p)
     b = np.median([r["cpu_us_per_request"] for r in res["before"]])
     for name, *_ in rows:
         res[f"median_us[{name}]"] = float(np.median([r["cpu_us_per_request"] for r in res[name]]))
         res[f"ratio_to_before[{name}]"] = res[f"median_us[{name}]"] / float(b)
         # paired by round (the variants of a round ran back to back): mean ratio and a 95% t-interval
-        pr = np.array([x["cpu_us_per_request"] / y["cpu_us_per_request"] for x, y in zip(res[name], res["before"],
-                                                                                           strict=True)])
-        half = float(_T95.get(len(pr) - 1, 2.0) * pr.std(ddof=1) / np.sqrt(len(pr))) if len(pr) > 1 else float("nan")
-        res[f"paired_ratio[{name}]"] = {"per_round": pr.round(4).tolist(), "mean": float(pr.mean()),
-                                        "ci95": [float(pr.mean()) - half, float(pr.mean()) + half]}
+        p = paired_interval([x["cpu_us_per_request"] for x in res[name]],
+                            [y["cpu_us_per_request"] for y in res["before"]], ratio=True)
+        res[f"paired_ratio[{name}]"] = {"per_round": [round(x, 4) for x in p["per_pair"]], "mean": p["mean"],
+                                        "ci95": p["ci"]}
     return res
-
-
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
 
 # ------------------------------------------------------------------------------------------ 3
@@ -221,36 +200,36 @@ def herd_variants(args) -> list[tuple[str, list[str]]]:
 
 def bench_herd(tmp: Path, args) -> dict:
     ports = [free_port() for _ in range(6)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    stubs = br._stubs(tmp, ports, "--token-delay-s", "0.05")
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    stubs = start_stubs(tmp, ports, "--token-delay-s", "0.05")
     out: dict = {"burst_size": args.burst_size, "bursts": args.bursts, "gap_s": args.burst_gap_s,
                  "max_tokens": 20, "policy": args.herd_policy, "note": "EMULATED: stub decoders"}
     policy = ["--policy", args.herd_policy]
     if args.herd_policy != "jsq":  # a routing artifact of the stubs' shape, one cluster per decoder
-        policy += ["--routing", str(bp._fit_routing(tmp / "herd", decoders=len(dec)))]
+        policy += ["--routing", str(fit_routing(tmp / "herd", decoders=len(dec)))]
     try:
         for _ in range(args.herd_rounds):
             for name, extra in herd_variants(args):
                 port = free_port()
-                p = br._proxy(tmp, f"herd{len(out)}", pre, dec, port, *policy, *extra)
+                p = start_proxy(tmp, f"herd{len(out)}", pre, dec, port, *policy, *extra)
                 time.sleep(1.0)  # the workers find each other
-                stop, spreads = threading.Event(), []
-                th = threading.Thread(target=br._sample_spread, args=(dec, stop, spreads))
+                done, spreads = threading.Event(), []
+                th = threading.Thread(target=sample_spread, args=(dec, done, spreads))
                 th.start()
                 t0 = time.perf_counter()
                 outcome = asyncio.run(_bursts(f"http://127.0.0.1:{port}", args.bursts, args.burst_size,
                                               args.burst_gap_s, 20))
                 wall = time.perf_counter() - t0
-                stop.set()
+                done.set()
                 th.join()
-                bp._stop(p)
+                stop(p)
                 out.setdefault(name, []).append({"requests": outcome, "wall_s": wall,
                                                  "spread_max": int(max(spreads)) if spreads else None,
                                                  "spread_p99": float(np.percentile(spreads, 99)) if spreads else None,
                                                  "spread_mean": float(np.mean(spreads)) if spreads else None})
                 print(f"  {name}: {out[name][-1]}", flush=True)
     finally:
-        bp._stop(stubs)
+        stop(stubs)
     one = max(r["spread_max"] for r in out["1 proxy"])
     for name, _ in herd_variants(args)[1:]:
         four = max(r["spread_max"] for r in out[name])
@@ -262,21 +241,21 @@ def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) 
     """Client latency at a fixed Poisson rate through --workers 4 with and without the reservation
     (stubs that answer at once: the figures are the proxy's own added time), interleaved rounds."""
     ports = [free_port() for _ in range(4)]
-    pre, dec = [f"http://127.0.0.1:{p}" for p in ports[:2]], [f"http://127.0.0.1:{p}" for p in ports[2:]]
-    stubs = br._stubs(tmp, ports)
+    pre, dec = local_urls(ports[:2]), local_urls(ports[2:])
+    stubs = start_stubs(tmp, ports)
     variants = {name: extra[2:] for name, extra in HERD_VARIANTS[1:]}
     procs, urls = {}, {}
     out: dict = {"rate": rate, "duration_s": duration, "rounds": rounds}
     try:
         for name, extra in variants.items():
             port = free_port()
-            procs[name] = br._proxy(tmp, f"lat-{len(procs)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
+            procs[name] = start_proxy(tmp, f"lat-{len(procs)}", pre, dec, port, "--policy", "jsq", *W4, *extra)
             urls[name] = f"http://127.0.0.1:{port}"
         time.sleep(1.0)
         lat: dict = {k: [] for k in variants}
         for _ in range(rounds):
             for name in variants:
-                res = br._loadgen_split(tmp, [urls[name]], rate, duration)
+                res = lg.split(tmp, [urls[name]], rate, duration)
                 lat[name] += res["lat_s"]
                 out.setdefault(f"errors[{name}]", 0)
                 out[f"errors[{name}]"] += res["errors"]
@@ -285,21 +264,20 @@ def bench_reserve_latency(tmp: Path, rate: float, duration: float, rounds: int) 
             out[f"p99_ms[{name}]"] = float(np.percentile(lat[name], 99) * 1e3)
         # /metrics is answered by whichever of the 4 processes takes the connection: one process's counts
         for name in list(variants)[1:]:
-            out[f"reservations_one_process[{name}]"] = dict(bp._metrics(urls[name]).get(
+            out[f"reservations_one_process[{name}]"] = dict(metrics(urls[name]).get(
                 "eldr_proxy_state_reservations_total", []))
     finally:
         for p in [*procs.values(), stubs]:
-            bp._stop(p)
+            stop(p)
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="sign,cpu,herd,latency")
-    ap.add_argument("--out", default="bench-results/state.json")
-    ap.add_argument("--rate", type=float, default=200.0)
-    ap.add_argument("--duration", type=float, default=4.0)
-    ap.add_argument("--rounds", type=int, default=3)
+def _parse(argv):
+    ap = parser(__doc__, "bench-results/state.json")
+    ap.add_argument("--parts", default="sign,cpu,herd,latency", help="comma-separated parts to run")
+    ap.add_argument("--rate", type=float, default=200.0, help="req/s of the cpu and latency parts")
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per round and row")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (the order alternates)")
     ap.add_argument("--before", default=None, help="the commit the cpu part compares with (default: the merge-base "
                                                    "with main)")
     ap.add_argument("--bursts", type=int, default=8)
@@ -308,27 +286,39 @@ def main():
     ap.add_argument("--herd-rounds", type=int, default=2)
     ap.add_argument("--herd-workers", default=None, help="replica counts to compare with one proxy, e.g. 2,4,8")
     ap.add_argument("--herd-policy", default="jsq", help="the proxies' policy in the herd part (jsq, eldr, eldr-live)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def _print_sign(sign: dict) -> None:
+    print("signing, CPU us per message (median of 3):")
+    print(f"  {'workers':<10}{'seal':>7}{'open':>7}{'unsigned':>10}{'added':>7}{'2xHMAC':>8}{'bytes':>7}")
+    for k, v in sign.items():
+        print(f"  {k:<10}{v['seal_us']:>7.2f}{v['open_us']:>7.2f}"
+              f"{v['unsigned_publish_us'] + v['unsigned_receive_us']:>10.2f}{v['added_us']:>7.2f}"
+              f"{2 * v['hmac_us']:>8.2f}{v['message_bytes']:>7}")
+
+
+def _print_cpu(cpu: dict, rate: float) -> None:
+    for k, v in cpu.items():
+        if k.startswith(("median_us", "ratio")):
+            print(f"2 replicas, CPU per request at {rate:g} req/s: {k} = {v:.3f}")
+        elif k.startswith("paired_ratio"):
+            print(f"2 replicas, CPU per request at {rate:g} req/s: {k} = {v['mean']:.3f} "
+                  f"(95% CI {v['ci95'][0]:.3f}..{v['ci95'][1]:.3f}; rounds {v['per_round']})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
     parts = set(args.parts.split(","))
+    env = environment()
     tmp = Path(tempfile.mkdtemp(prefix="bench-state-"))
     result: dict = {"machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())}}
     if "sign" in parts:
         result["sign"] = bench_sign()
-        print("signing, CPU us per message (median of 3):")
-        print(f"  {'workers':<10}{'seal':>7}{'open':>7}{'unsigned':>10}{'added':>7}{'2xHMAC':>8}{'bytes':>7}")
-        for k, v in result["sign"].items():
-            print(f"  {k:<10}{v['seal_us']:>7.2f}{v['open_us']:>7.2f}"
-                  f"{v['unsigned_publish_us'] + v['unsigned_receive_us']:>10.2f}{v['added_us']:>7.2f}"
-                  f"{2 * v['hmac_us']:>8.2f}"
-                  f"{v['message_bytes']:>7}")
+        _print_sign(result["sign"])
     if "cpu" in parts:
         result["cpu"] = bench_cpu(tmp, args.rate, args.duration, args.rounds, args.before)
-        for k, v in result["cpu"].items():
-            if k.startswith(("median_us", "ratio")):
-                print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v:.3f}")
-            elif k.startswith("paired_ratio"):
-                print(f"2 replicas, CPU per request at {args.rate:g} req/s: {k} = {v['mean']:.3f} "
-                      f"(95% CI {v['ci95'][0]:.3f}..{v['ci95'][1]:.3f}; rounds {v['per_round']})")
+        _print_cpu(result["cpu"], args.rate)
     if "herd" in parts:
         result["herd"] = bench_herd(tmp, args)
         for k, v in result["herd"].items():
@@ -338,9 +328,7 @@ def main():
         result["reserve_latency"] = bench_reserve_latency(tmp, args.rate, args.duration, args.rounds)
         print("reservation latency:", json.dumps(result["reserve_latency"], indent=1))
     result["machine"]["loadavg_end"] = list(os.getloadavg())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(args.out, result, env)
     print(f"wrote {out}  (load average {result['machine']['loadavg_start']} -> {result['machine']['loadavg_end']})")
 
 

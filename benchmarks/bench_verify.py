@@ -9,19 +9,19 @@ done once per artifact per process by every stage that reads one (eldr_cli.artif
 
 Prints a table, writes JSON (default bench-results/verify.json). Inputs are GENERATED; these are timings.
 
-    python benchmarks/bench_verify.py --repeats 5 --big-trace /tmp/big1g
+    python -m benchmarks.bench_verify --repeats 5 --big-trace /tmp/big1g
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.base import environment, order, parser, write_result
 
 
 def _size(path: Path) -> int:
@@ -60,7 +60,7 @@ def bench_fit(repeats: int) -> dict:
 
     on, off, inside = [], [], []
     for i in range(repeats):
-        for verify in (True, False) if i % 2 == 0 else (False, True):
+        for verify in order((True, False), i):
             store.verify_on_read = timed if verify else (lambda art: None)
             guard._VERIFIED.clear()
             spent.clear()
@@ -90,12 +90,12 @@ def bench_big(path: Path, repeats: int) -> dict:
     return {"path": str(path), "bytes": size, "verify_s": times, "median_s": med, "gb_per_s": size / med / 1e9}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "bench-results/verify.json")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--big-trace", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=Path("bench-results/verify.json"))
-    a = ap.parse_args()
+    ap.add_argument("--big-trace", type=Path, default=None, help="a large trace to verify (e.g. ~1 GB)")
+    a = ap.parse_args(argv)
+    env = environment()
     load = os.getloadavg()
     res = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
            "loadavg_before": load, "fit": bench_fit(a.repeats)}
@@ -119,9 +119,7 @@ def main() -> None:
         print(f"{'large trace verification':<44}{b['median_s']:>14.2f} s")
         print(f"{'  throughput (page cache warm)':<44}{b['gb_per_s']:>11.2f} GB/s")
     print(f"load average before {load[0]:.2f}, after {res['loadavg_after'][0]:.2f} ({res['cpus']} CPUs)")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"-> {a.out}")
+    print(f"-> {write_result(a.out, res, env)}")
 
 
 if __name__ == "__main__":
