@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -107,12 +108,24 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
                          endpoint=endpoint, model_path=cfg.model_path, model_name=cfg.model_name or cfg.model_path,
                          worker_type=WorkerType.Decode, needs=[[WorkerType.Prefill]], ignore_weights=True)
     handler = DecodeHandler(router, client, cfg.wait_s)
+    flusher = asyncio.ensure_future(_flush_every(router, 1.0))
     log.info("eldr decode router (%s) serving %s; decode instances at %s", router.policy, cfg.endpoint,
              cfg.decode_endpoint)
-    await asyncio.gather(
-        endpoint.serve_endpoint(handler.generate, graceful_shutdown=True,
-                                metrics_labels=[("service", "eldr_router"), ("type", "decode")]),
-        stats_ep.serve_endpoint(handler.stats, graceful_shutdown=False))
+    try:
+        await asyncio.gather(
+            endpoint.serve_endpoint(handler.generate, graceful_shutdown=True,
+                                    metrics_labels=[("service", "eldr_router"), ("type", "decode")]),
+            stats_ep.serve_endpoint(handler.stats, graceful_shutdown=False))
+    finally:
+        flusher.cancel()
+
+
+async def _flush_every(router: InstanceRouter, period_s: float) -> None:
+    """The recorder's rows reach their file within ``period_s`` (the decision log writes on its own thread)."""
+    flush = getattr(router.recorder, "flush", None)
+    while flush is not None:
+        await asyncio.sleep(period_s)
+        await asyncio.to_thread(flush)
 
 
 def run(cfg: ComponentConfig, router: InstanceRouter, discovery: str = "etcd", request_plane: str = "tcp") -> None:
@@ -125,7 +138,10 @@ def run(cfg: ComponentConfig, router: InstanceRouter, discovery: str = "etcd", r
                         hint="pip install 'eldr[dynamo]' (ai-dynamo-runtime 1.6.1)") from None
 
     async def main() -> None:
-        runtime = DistributedRuntime(asyncio.get_running_loop(), discovery, request_plane)
+        loop = asyncio.get_running_loop()
+        runtime = DistributedRuntime(loop, discovery, request_plane)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # leave discovery, finish the streams in flight, then return
+            loop.add_signal_handler(sig, runtime.shutdown)
         await serve(runtime, cfg, router)
 
     uvloop.run(main())

@@ -208,5 +208,8 @@ class DecisionLogRecorder:
                            str(choice.instance_id), None, choice.seconds, first)
         self.log.write(row | choice.extra)
 
+    def flush(self) -> None:
+        self.log.flush()
+
     def close(self) -> None:
         self.log.close()

@@ -5,7 +5,8 @@ a config) that Dynamo's frontend loads as the model card; ``prefill`` registers 
 answers each request with one token and ``disaggregated_params.kv_transfer_params`` carrying ``eldr_signature``
 (the prompt's fake expert counts, :func:`eldr_cli.testing.stub_worker.fake_counts` over its token ids), as
 eldr's vLLM plugin does; ``decode`` streams ``max_tokens`` tokens and writes one JSON line per request it
-received (its instance id, the request id, the ``kv_transfer_params`` it was handed, how it ended) to ``--log``.
+received (its instance id, the request id, the ``kv_transfer_params`` it was handed, how it ended) to ``--log``;
+``stats`` prints the answer of every eldr router's ``stats`` endpoint (one JSON line per router instance).
 
 A prompt with the word ``nosig`` gets no signature; with ``badsig``, a malformed one.
 """
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -120,7 +122,7 @@ class StubDecode:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eldr_cli.dynamo.stub_workers")
-    p.add_argument("role", choices=["model", "prefill", "decode"])
+    p.add_argument("role", choices=["model", "prefill", "decode", "stats"])
     p.add_argument("path", nargs="?", help="model: the directory to write")
     p.add_argument("--model-path", default=None)
     p.add_argument("--model-name", default="stub")
@@ -136,8 +138,19 @@ async def _serve(a: argparse.Namespace) -> None:
     from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
-    runtime = DistributedRuntime(asyncio.get_running_loop(), os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
                                  os.environ.get("DYN_REQUEST_PLANE", "tcp"))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # leave discovery gracefully
+        loop.add_signal_handler(sig, runtime.shutdown)
+    if a.role == "stats":  # one call to an eldr router's stats endpoint, printed as JSON
+        client = await runtime.endpoint(a.endpoint or "dynamo.eldr.stats").client()
+        await asyncio.wait_for(client.wait_for_instances(), 30)
+        for iid in sorted(client.instance_ids()):
+            async for out in await client.direct({}, iid):
+                print(json.dumps(out.data() if hasattr(out, "data") else out), flush=True)
+        runtime.shutdown()
+        return
     if a.role == "prefill":
         ep = runtime.endpoint(a.endpoint or "dynamo.prefill.generate")
         shape = tuple(int(x) for x in a.shape.split("x"))
