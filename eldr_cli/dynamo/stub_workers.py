@@ -104,7 +104,8 @@ class StubDecode:
         row = {"worker": self.name, "instance_id": str(self.instance_id),
                "request_id": context.id() if context is not None else None,
                "kv_transfer_params": (pr.get("disaggregated_params") or {}).get("kv_transfer_params"),
-               "prompt_tokens": len(request.get("token_ids") or []), "sent": 0, "ended": "cancelled"}
+               "token_ids": list(request.get("token_ids") or []), "max_tokens": stop.get("max_tokens"), "sent": 0,
+               "ended": "cancelled"}
         try:
             for i in range(n):
                 if context is not None and context.is_stopped():
