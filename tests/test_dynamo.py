@@ -14,7 +14,8 @@ from eldr_cli.dynamo.router import InstanceRouter
 from eldr_cli.dynamo.stub_workers import prefill_answer
 from eldr_cli.routing import RoutingModel
 
-pytestmark = [pytest.mark.slow, pytest.mark.dynamo, pytest.mark.skipif(dynamo_missing() is not None, reason=str(dynamo_missing()))]
+pytestmark = [pytest.mark.slow, pytest.mark.dynamo,
+              pytest.mark.skipif(dynamo_missing() is not None, reason=str(dynamo_missing()))]
 
 PROMPTS = ["hello world the a", "you that he was for on are", "with as his they", "be at one have this from or",
            "had by word but what some we can out", "other were all", "there when up use your how said"]

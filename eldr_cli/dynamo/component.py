@@ -74,7 +74,8 @@ class DecodeHandler:
                 except Exception as e:  # an instance that left between the decision and the send: once elsewhere
                     if started or len(tried) > 1 or (context is not None and context.is_stopped()):
                         raise
-                    log.warning("decode instance %s failed before streaming (%s); deciding again", choice.instance_id, e)
+                    log.warning("decode instance %s failed before streaming (%s); deciding again",
+                                choice.instance_id, e)
                     self.router.sync(self.client.instance_ids())
                     choice = self.router.again(choice, tried)
         finally:

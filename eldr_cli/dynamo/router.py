@@ -88,7 +88,7 @@ class InstanceRouter:
                  tau: float | None = None, seed: int = 0, recorder: Recorder | None = None):
         self.policy = check_policy(policy, servable=True)
         self.model, self.cost, self.tau_override, self.seed = model, cost, tau, seed
-        make_router(policy, 1, model=model, tau=tau, seed=seed, cost=cost)  # a policy its artifact cannot serve fails here
+        make_router(policy, 1, model=model, tau=tau, seed=seed, cost=cost)  # fails here if its artifact cannot serve it
         self.recorder = recorder
         self.instances: list[int] = []
         self.router: DecodeRouter | None = None
