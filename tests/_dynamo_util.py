@@ -41,6 +41,7 @@ class DynamoCluster:
     def __init__(self, tmp: Path, *, routing: Path | None, n_decode: int = 3, routers: int = 1,
                  policy: str | None = None, delay_ms: float = 10.0, router_mode: str = "round-robin"):
         self.tmp, self.routing, self.delay_ms = Path(tmp), routing, delay_ms
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.kv = self.tmp / "kv"
         self.env = _env(self.kv)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
