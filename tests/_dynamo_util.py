@@ -39,11 +39,12 @@ class DynamoCluster:
     decode routing straight to the decode workers) and Dynamo's frontend, in ``tmp``."""
 
     def __init__(self, tmp: Path, *, routing: Path | None, n_decode: int = 3, routers: int = 1,
-                 policy: str | None = None, delay_ms: float = 10.0, router_mode: str = "round-robin"):
+                 policy: str | None = None, delay_ms: float = 10.0, router_mode: str = "round-robin",
+                 log: str = "warn"):
         self.tmp, self.routing, self.delay_ms = Path(tmp), routing, delay_ms
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.kv = self.tmp / "kv"
-        self.env = _env(self.kv)
+        self.env = _env(self.kv) | {"DYN_LOG": log}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.model = self.tmp / "model"
         self.decode_log = self.tmp / "decode.jsonl"
