@@ -85,7 +85,7 @@ $(DYN_STAMP): requirements-dynamo.lock pyproject.toml
 	@rm -f $(DYN_VENV)/.installed-*; touch $@
 
 test-dynamo: venv-dynamo
-	$(DYN_VENV)/bin/python -m pytest -q tests/test_dynamo_router.py tests/test_dynamo.py
+	$(DYN_VENV)/bin/python -m pytest -q tests/test_dynamo_router.py tests/test_dynamo.py tests/test_dynamo_replicas.py
 
 # system packages the slow tests need; apt-get runs only when one is missing
 .PHONY: deps-system deps-chromium

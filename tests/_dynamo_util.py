@@ -40,11 +40,11 @@ class DynamoCluster:
 
     def __init__(self, tmp: Path, *, routing: Path | None, n_decode: int = 3, routers: int = 1,
                  policy: str | None = None, delay_ms: float = 10.0, router_mode: str = "round-robin",
-                 log: str = "warn"):
+                 log: str = "warn", router_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.tmp, self.routing, self.delay_ms = Path(tmp), routing, delay_ms
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.kv = self.tmp / "kv"
-        self.env = _env(self.kv) | {"DYN_LOG": log}
+        self.env = _env(self.kv) | {"DYN_LOG": log} | (env or {})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.model = self.tmp / "model"
         self.decode_log = self.tmp / "decode.jsonl"
@@ -66,6 +66,7 @@ class DynamoCluster:
                     str(self.tmp / f"decisions{'' if r == 0 else r}.jsonl"), "--log-level", "warning"]
             args += ["--routing", str(routing)] if routing is not None else []
             args += ["--policy", policy] if policy else []
+            args += list(router_args)
             self._run(f"router{r}", args)
         self._run("frontend", [str(DYN_PY), "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
                                str(self.port), "--discovery-backend", "file", "--namespace", "dynamo",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from eldr_cli.dynamo.router import InstanceRouter, NoDecodeInstance
+from eldr_cli.dynamo.shared import release, reserve
 from eldr_cli.errors import EldrError
 
 log = logging.getLogger("eldr.dynamo")
@@ -59,9 +60,12 @@ class DecodeHandler:
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[Any]:
         rid = _request_id(context)
         await self._instances()
-        choice = self.router.choose(request, rid)
-        tried: set[int] = set()
+        choice = self.router.choose(request, rid, record=False)
+        slot = None
         try:
+            slot = await reserve(self.router, choice)  # several replicas: one atomic slot in Redis
+            self.router.record(choice)
+            tried: set[int] = set()
             while True:
                 tried.add(choice.instance_id)
                 started = False
@@ -76,9 +80,12 @@ class DecodeHandler:
                         raise
                     log.warning("decode instance %s failed before streaming (%s); deciding again",
                                 choice.instance_id, e)
+                    release(self.router, slot)
+                    slot = None
                     self.router.sync(self.client.instance_ids())
                     choice = self.router.again(choice, tried)
         finally:
+            release(self.router, slot)
             self.router.finish(choice)
 
     async def stats(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
@@ -110,6 +117,7 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
                          worker_type=WorkerType.Decode, needs=[[WorkerType.Prefill]], ignore_weights=True)
     handler = DecodeHandler(router, client, cfg.wait_s)
     flusher = asyncio.ensure_future(_flush_every(router, 1.0))
+    await router.shared.start(router)  # several replicas: counts and live sets shared over Redis
     log.info("eldr decode router (%s) serving %s; decode instances at %s", router.policy, cfg.endpoint,
              cfg.decode_endpoint)
     try:
@@ -119,6 +127,7 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
             stats_ep.serve_endpoint(handler.stats, graceful_shutdown=False))
     finally:
         flusher.cancel()
+        await router.shared.stop()
 
 
 async def _flush_every(router: InstanceRouter, period_s: float) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SignatureDecodeError, decode_counts, pop_signature
+from eldr_cli.proxy.workers import Worker
 from eldr_cli.routing import Decision, DecodeRouter, RoutingModel, make_router
 from eldr_cli.routing.registry import check_policy
 
@@ -82,20 +83,33 @@ class Recorder(Protocol):
 
 
 class InstanceRouter:
-    """eldr's decode decision over the decode instances a Dynamo component discovers (see the module doc)."""
+    """eldr's decode decision over the decode instances a Dynamo component discovers (see the module doc).
+
+    Each instance is a :class:`eldr_cli.proxy.workers.Worker` (``id``: the instance id, ``url``:
+    ``dynamo://<id>``): its ``inflight`` is this replica's, its ``remote_inflight`` the other replicas' when a
+    shared state (``shared``: :mod:`eldr_cli.proxy.replicas`) publishes them; the router also serves as that
+    state's host (``all_workers``, ``local_vectors``, ``remote_vectors_changed``)."""
 
     def __init__(self, policy: str, *, model: RoutingModel | None = None, cost: Any = None,
                  tau: float | None = None, seed: int = 0, recorder: Recorder | None = None):
+        from eldr_cli.proxy.replicas.shared import LocalState
+
         self.policy = check_policy(policy, servable=True)
         self.model, self.cost, self.tau_override, self.seed = model, cost, tau, seed
         make_router(policy, 1, model=model, tau=tau, seed=seed, cost=cost)  # fails here if its artifact cannot serve it
         self.recorder = recorder
+        self.shared: Any = LocalState()
         self.instances: list[int] = []
+        self.slots: list[Worker] = []
         self.router: DecodeRouter | None = None
-        self.loads: list[int] = []
         self.live: dict[str, Choice] = {}
-        self.counts: Counter[str] = Counter()   # requests, signature_<state>, rebuilds, orphaned
+        self.counts: Counter[str] = Counter()   # requests, signature_<state>, rebuilds, orphaned, retries
         self.dispatched: Counter[int] = Counter()
+
+    @property
+    def loads(self) -> list[int]:
+        """In-flight requests per instance (slot order) over all replicas: this one's exact, the others' last seen."""
+        return [w.load() for w in self.slots]
 
     # -- membership ---------------------------------------------------------------------------------
     def sync(self, instance_ids: Sequence[int]) -> bool:
@@ -103,31 +117,36 @@ class InstanceRouter:
         ids = sorted({int(i) for i in instance_ids})
         if ids == self.instances:
             return False
+        kept = {int(w.id): w for w in self.slots}
         self.instances = ids
+        self.slots = [kept.get(i) or Worker(str(i), "decode", f"dynamo://{i}") for i in ids]
         self.router = make_router(self.policy, len(ids), model=self.model, tau=self.tau_override, seed=self.seed,
                                   cost=self.cost) if ids else None
         slot_of = {iid: i for i, iid in enumerate(ids)}
-        self.loads = [0] * len(ids)
         self.counts["rebuilds"] += 1
         for rid, ch in self.live.items():
             ch.slot = slot_of.get(ch.instance_id)
             if ch.slot is None:
                 self.counts["orphaned"] += 1  # its instance left mid-stream; its stream fails or ends there
                 continue
-            self.loads[ch.slot] += 1
             assert self.router is not None
             self.router.on_dispatch(replace(ch.decision, worker=ch.slot), rid)
+        self.remote_vectors_changed()
         return True
 
     # -- one request ----------------------------------------------------------------------------------
-    def choose(self, request: dict[str, Any], rid: str) -> Choice:
-        """Decide ``request``'s decode instance and hold it there until :meth:`finish` (nothing awaits between)."""
+    def choose(self, request: dict[str, Any], rid: str, *, record: bool = True) -> Choice:
+        """Decide ``request``'s decode instance and hold it there until :meth:`finish` (nothing awaits between).
+        ``record=False``: the caller records it with :meth:`record` once the replicas' reservation has spoken."""
         if self.router is None:
             raise NoDecodeInstance("no decode instance is registered at the decode endpoint")
         if rid in self.live:
             raise EldrError(f"request id {rid!r} is already in flight at this router")
         counts, state = self._counts(request, self.router)
-        return self._decide(rid, counts, state, context_tokens(request))
+        ch = self._decide(rid, counts, state, context_tokens(request))
+        if record:
+            self.record(ch)
+        return ch
 
     def again(self, choice: Choice, exclude: set[int]) -> Choice:
         """``choice``'s instance failed before answering: finish it there and decide again among the instances
@@ -137,15 +156,27 @@ class InstanceRouter:
         if self.router is None:
             raise NoDecodeInstance("no other decode instance is registered at the decode endpoint")
         self.counts["retries"] += 1
-        self.counts["requests"] -= 1  # one request, decided twice
-        self.counts[f"signature_{choice.signature}"] -= 1
-        return self._decide(choice.rid, choice.counts, choice.signature, choice.tokens)
+        ch = self._decide(choice.rid, choice.counts, choice.signature, choice.tokens)
+        self.record(ch, again=True)
+        return ch
+
+    def move(self, choice: Choice, slot: int) -> None:
+        """The replicas' reservation put ``choice`` on ``slot`` instead: out of its old instance, into the new."""
+        if slot == choice.slot or choice.slot is None or self.router is None:
+            return
+        self.slots[choice.slot].inflight -= 1
+        self.router.on_finish(choice.slot, choice.rid)
+        choice.decision = replace(choice.decision, worker=slot)
+        self.router.on_dispatch(choice.decision, choice.rid)
+        choice.slot, choice.instance_id = slot, self.instances[slot]
+        self.slots[slot].inflight += 1
+        self.shared.note_change()
 
     def _decide(self, rid: str, counts: np.ndarray | None, state: str, tokens: int | None) -> Choice:
         router = self.router
         assert router is not None
         t0 = time.perf_counter()
-        loads = list(self.loads)
+        loads = self.loads
         if counts is None and router.needs_signature:
             d = Decision(int(np.argmin(loads)), state)  # least loaded; ties: the lowest instance id
         else:
@@ -153,26 +184,32 @@ class InstanceRouter:
             if d.signature == "malformed":  # decoded, but not of the artifact's shape
                 state = "malformed"
         router.on_dispatch(d, rid)
-        self.loads[d.worker] += 1
+        self.slots[d.worker].inflight += 1
+        self.shared.note_change()
         dt = time.perf_counter() - t0
-        iid = self.instances[d.worker]
         first = self.instances[d.first] if 0 <= d.first < len(self.instances) else None
         tau = router.tau if router.tau is not None else (self.model.tau if self.model is not None else None)
-        ch = Choice(rid, iid, d.worker, d, state, loads, dt, router.name, tau, first, counts, tokens)
+        ch = Choice(rid, self.instances[d.worker], d.worker, d, state, loads, dt, router.name, tau, first, counts,
+                    tokens)
         self.live[rid] = ch
-        self.counts["requests"] += 1
-        self.counts[f"signature_{state}"] += 1
-        self.dispatched[iid] += 1
+        return ch
+
+    def record(self, ch: Choice, again: bool = False) -> None:
+        """Count ``ch`` (where it went, its signature) and hand it to the recorder."""
+        if not again:
+            self.counts["requests"] += 1
+            self.counts[f"signature_{ch.signature}"] += 1
+        self.dispatched[ch.instance_id] += 1
         if self.recorder is not None:
             self.recorder.decided(ch)
-        return ch
 
     def finish(self, choice: Choice) -> None:
         """The request's stream ended (done, failed or cancelled): out of its instance's load and live set."""
         if self.live.pop(choice.rid, None) is None or choice.slot is None or self.router is None:
             return
-        self.loads[choice.slot] -= 1
+        self.slots[choice.slot].inflight -= 1
         self.router.on_finish(choice.slot, choice.rid)
+        self.shared.note_change()
 
     def _counts(self, request: dict[str, Any], router: DecodeRouter) -> tuple[np.ndarray | None, str]:
         enc = pop_signature(kv_transfer_params(request))
@@ -187,9 +224,41 @@ class InstanceRouter:
 
     def stats(self) -> dict[str, Any]:
         """Counters and the current instances' loads (the component's ``stats`` endpoint answers this)."""
-        return {"policy": self.policy, "instances": [str(i) for i in self.instances], "loads": list(self.loads),
-                "in_flight": len(self.live), "counts": dict(self.counts),
+        return {"policy": self.policy, "instances": [str(i) for i in self.instances], "loads": self.loads,
+                "local_loads": [w.inflight for w in self.slots], "in_flight": len(self.live),
+                "replicas": self.shared.live_replicas, "counts": dict(self.counts),
+                "reservations": dict(self.shared.reserver.results) if self.shared.reserver is not None else None,
                 "dispatched": {str(k): v for k, v in self.dispatched.items()}}
+
+    # -- the shared state's host (eldr_cli.proxy.replicas.shared.StateHost) ---------------------------
+    def all_workers(self) -> list[Worker]:
+        return list(self.slots)
+
+    def local_vectors(self) -> dict[str, dict[str, list[int]]]:
+        """A stateful policy's per-instance live state, published with the counts (eldr-live)."""
+        if self.router is None:
+            return {}
+        vecs = {}
+        for i, w in enumerate(self.slots):
+            v = self.router.export_state(i)
+            if v is None:
+                return {}
+            vecs[w.id] = v
+        return {"live": vecs}
+
+    def remote_vectors_changed(self) -> None:
+        if self.router is not None:
+            for i, w in enumerate(self.slots):
+                self.router.merge_state(i, w.remote_vectors.get("live"))
+
+    def apply_remote_change(self, action: str, body: dict[str, Any]) -> None:
+        return None  # no admin API here: each replica is configured by its own command line
+
+    def current_config(self) -> dict[str, Any]:
+        return {"policy": self.policy, "decode": [w.url for w in self.slots]}
+
+    def adopt_config(self, config: dict[str, Any]) -> None:
+        return None
 
 
 class DecisionLogRecorder:

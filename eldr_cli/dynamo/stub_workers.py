@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -105,7 +106,7 @@ class StubDecode:
                "request_id": context.id() if context is not None else None,
                "kv_transfer_params": (pr.get("disaggregated_params") or {}).get("kv_transfer_params"),
                "token_ids": list(request.get("token_ids") or []), "max_tokens": stop.get("max_tokens"), "sent": 0,
-               "ended": "cancelled"}
+               "ended": "cancelled", "t_start": time.time()}
         try:
             for i in range(n):
                 if context is not None and context.is_stopped():
@@ -117,6 +118,7 @@ class StubDecode:
                 yield {"token_ids": [5 + (i * 7) % 200], **({"finish_reason": "length"} if last else {})}
             row["ended"] = "done"
         finally:
+            row["t_end"] = time.time()
             if self.log is not None:
                 self.log.write(json.dumps(row) + "\n")
 
