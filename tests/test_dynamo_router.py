@@ -142,3 +142,24 @@ def test_context_tokens_and_decision_log_rows(model, tmp_path):
     assert [x["worker"] for x in rows] == [str(c.instance_id) for c in chs]
     assert [x["signature"] for x in rows] == ["ok", "ok", "ok", "missing"]
     assert rows[0]["policy"] == "eldr-live" and len(rows[0]["predicted_ms"]) == 3 and rows[3]["predicted_ms"] is None
+
+
+def test_other_replicas_loads_and_live_sets_count_and_a_reservation_moves_a_request(model):
+    r = InstanceRouter("eldr-live", model=model)
+    r.sync(IDS)
+    assert [w.url for w in r.all_workers()] == [f"dynamo://{i}" for i in sorted(IDS)]
+    ch = r.choose(request("p"), "p")
+    vecs = r.local_vectors()["live"]
+    assert sum(sum(v) for v in vecs.values()) >= 1  # this replica's live set, published with the counts
+    other = InstanceRouter("eldr-live", model=model)  # a second replica receives it
+    other.sync(IDS)
+    for w in other.slots:
+        w.remote_inflight = r.slots[other.slots.index(w)].inflight
+        w.remote_vectors = {"live": vecs[w.id]}
+    other.remote_vectors_changed()
+    assert other.loads == r.loads and sum(other.router.policy._n_live) == 1
+    dest = (ch.slot + 1) % 3
+    r.move(ch, dest)
+    assert ch.slot == dest and ch.instance_id == sorted(IDS)[dest] and r.loads[dest] == 1 and sum(r.loads) == 1
+    r.finish(ch)
+    assert r.loads == [0, 0, 0] and r.router.policy.is_empty()
