@@ -140,3 +140,27 @@ def test_a_decode_instance_that_leaves_is_no_longer_chosen(cluster):
     assert all(len(r["loads"]) == 2 for r in after)
     st = cluster.stats()[0]
     assert gone not in st["instances"] and len(st["instances"]) == 2 and st["counts"]["rebuilds"] >= 2
+
+
+def test_a_decode_instance_that_dies_is_retried_elsewhere(cluster):
+    """SIGKILL: the instance stays in discovery until its lease expires; a request sent there fails before its
+    first token and is decided once more among the others, on the same signature."""
+    import signal
+
+    oa = client(cluster)
+    alive = {r["worker"] for r in cluster.decode_rows()} & {f"d{i}" for i in range(3)}
+    alive = {w for w in alive if "decode" + w[1:] in cluster.procs}
+    victim = sorted(alive)[0]
+    victim_id = next(r["instance_id"] for r in cluster.decode_rows() if r["worker"] == victim)
+    cluster.stop("decode" + victim[1:], signal.SIGKILL)
+    retries = cluster.stats()[0]["counts"].get("retries", 0)
+    before = len(cluster.decode_rows())
+    for p in PROMPTS:
+        r = oa.completions.create(model=MODEL, prompt=p, max_tokens=2)
+        assert len(r.choices[0].text.split()) == 2
+    served = cluster.decode_rows()[before:]
+    assert len(served) == len(PROMPTS) and victim_id not in {r["instance_id"] for r in served}
+    st = cluster.stats()[0]
+    # chosen while still listed: retried once, then left out (not tried again for every request)
+    assert st["counts"].get("retries", 0) - retries <= 1
+    assert st["in_flight"] == 0 and sum(st["loads"]) == 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -24,6 +25,7 @@ from eldr_cli.dynamo.shared import release, reserve
 from eldr_cli.errors import EldrError
 
 log = logging.getLogger("eldr.dynamo")
+SUSPECT_S = 5.0  # an instance that failed to answer is left out this long (then tried again if still listed)
 
 
 @dataclass
@@ -47,9 +49,17 @@ class DecodeHandler:
 
     def __init__(self, router: InstanceRouter, client: Any, wait_s: float):
         self.router, self.client, self.wait_s = router, client, wait_s
+        self.failed: dict[int, float] = {}  # instance -> when it failed to answer (still listed by discovery)
+
+    def _listed(self) -> list[int]:
+        """The instances discovery lists, less those that failed to answer in the last SUSPECT_S (a process that
+        died keeps its entry until its lease expires)."""
+        now = time.monotonic()
+        self.failed = {i: t for i, t in self.failed.items() if now - t < SUSPECT_S}
+        return [i for i in self.client.instance_ids() if i not in self.failed]
 
     async def _instances(self) -> None:
-        self.router.sync(self.client.instance_ids())
+        self.router.sync(self._listed())
         if not self.router.instances:
             try:
                 ids = await asyncio.wait_for(self.client.wait_for_instances(), self.wait_s)
@@ -82,7 +92,8 @@ class DecodeHandler:
                                 choice.instance_id, e)
                     release(self.router, slot)
                     slot = None
-                    self.router.sync(self.client.instance_ids())
+                    self.failed[choice.instance_id] = time.monotonic()
+                    self.router.sync(self._listed())
                     choice = self.router.again(choice, tried)
         finally:
             release(self.router, slot)
