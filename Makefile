@@ -23,6 +23,7 @@ help:
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
+	@echo "make test-dynamo  eldr's decode router inside a real NVIDIA Dynamo deployment (builds .venv-dynamo; ~4 min once, then ~30 s)"
 	@echo "make gpu-check  on one CUDA GPU, ~70 s: what the GPU claims rest on (GPU_PYTHON=python3 without a venv)"
 
 # -- environment ---------------------------------------------------------------------------
@@ -69,6 +70,22 @@ test-kernels: venv
 
 test-slow: venv deps-chromium
 	$(BIN)/python -m pytest -q -m "slow or vllm"
+
+# NVIDIA Dynamo's environment, separate from .venv (ai-dynamo-runtime pins pydantic<=2.13.5, below
+# requirements.lock's): `make test-dynamo` runs eldr's decode router inside a real Dynamo deployment on this
+# machine (Dynamo's frontend, file discovery, stub workers on its runtime; docs/dynamo.md). Not part of `make test`.
+DYN_VENV := .venv-dynamo
+DYN_STAMP := $(DYN_VENV)/.installed-$(shell cat requirements-dynamo.lock pyproject.toml | sha256sum | cut -c1-12)
+.PHONY: venv-dynamo test-dynamo
+venv-dynamo: $(DYN_STAMP)
+$(DYN_STAMP): requirements-dynamo.lock pyproject.toml
+	@test -x $(DYN_VENV)/bin/python || $(PY) -m venv $(DYN_VENV) || python3 -m venv $(DYN_VENV)
+	$(DYN_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-dynamo.lock
+	$(DYN_VENV)/bin/pip install -q --disable-pip-version-check --no-deps -e .
+	@rm -f $(DYN_VENV)/.installed-*; touch $@
+
+test-dynamo: venv-dynamo
+	$(DYN_VENV)/bin/python -m pytest -q tests/test_dynamo_router.py tests/test_dynamo.py tests/test_dynamo_replicas.py
 
 # system packages the slow tests need; apt-get runs only when one is missing
 .PHONY: deps-system deps-chromium

@@ -256,6 +256,22 @@ CASES: dict[str, tuple] = {
     "evaluate-split-bogus": ([*EVAL, "--split", "bogus"], "'--split'"),
     "model-family-bogus": (["model", "tiny", "--family", "bogus", "--out", "new"], "unknown tiny-model family"),
     "model-over-user-dir": (["model", "tiny", "--out", "mine"], "mine exists"),
+    # serve-dynamo: every check runs before Dynamo's runtime is imported (the cases hold without it)
+    "dynamo-no-routing": (["serve-dynamo", "--model-path", "m"], "--routing is needed"),
+    "dynamo-policy-bogus": (["serve-dynamo", "--model-path", "m", "--routing", "fit", "--policy", "bogus"],
+                            "unknown policy 'bogus'"),
+    "dynamo-policy-oracle": (["serve-dynamo", "--model-path", "m", "--routing", "fit", "--policy", "oracle"],
+                             "unknown policy 'oracle'"),
+    "dynamo-endpoint": (["serve-dynamo", "--model-path", "m", "--policy", "jsq", "--decode-endpoint", "a.b"],
+                        "is not NAMESPACE.COMPONENT.ENDPOINT"),
+    "dynamo-discovery": (["serve-dynamo", "--model-path", "m", "--policy", "jsq", "--discovery-backend", "zk"],
+                         "expected etcd, kubernetes, file or mem"),
+    "dynamo-state-password": (["serve-dynamo", "--model-path", "m", "--policy", "jsq", "--state",
+                               "redis://:pw@127.0.0.1:6379"], "password in the URL"),
+    "dynamo-state-no-key": (["serve-dynamo", "--model-path", "m", "--policy", "jsq", "--state",
+                             "redis://127.0.0.1:6379"], "needs a key every replica shares"),
+    "dynamo-decision-log-suffix": (["serve-dynamo", "--model-path", "m", "--policy", "jsq", "--decision-log",
+                                    "log.txt"], "must end with .jsonl or .parquet"),
 }
 
 
