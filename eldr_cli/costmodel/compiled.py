@@ -46,3 +46,41 @@ def one_graph_per_shape(fn, what: str):
     if graphs_compiled() <= before:
         raise EldrError(f"torch.compile fell back to running {what} uncompiled (dynamo compiled no graph for it); "
                         "its timing would not be of a compiled layer", hint=HINT)
+
+
+def shape_key(args) -> tuple:
+    """What dynamo specialises a call on with ``dynamic=False``: each tensor's shape and dtype, each list's or
+    tuple's length and items, other values as they are."""
+    import torch
+
+    if isinstance(args, torch.Tensor):
+        return ("T", tuple(args.shape), str(args.dtype))
+    if isinstance(args, (list, tuple)):
+        return (type(args).__name__, tuple(shape_key(a) for a in args))
+    return ("V", args)
+
+
+class PerShape:
+    """``fn`` compiled once per distinct :func:`shape_key` of its arguments, points of one shape in a row
+    sharing the graph: ``build(run)`` gets the compiled function (and warms it up, captures it in a CUDA graph,
+    ...). A shape seen just before reuses its graph with recompiles made errors; a guard that still fails (it
+    specialises on more than shapes) gets a fresh graph. ``compiles`` counts the graphs made."""
+
+    def __init__(self, fn):
+        self.fn, self.key, self.run, self.compiles = fn, None, None, 0
+
+    def call(self, args, build, what: str):
+        import torch
+        from torch._dynamo import exc
+
+        key = shape_key(args)
+        if key == self.key and self.run is not None:
+            try:
+                with torch._dynamo.config.patch(error_on_recompile=True):
+                    return build(self.run)
+            except exc.RecompileError:
+                pass
+        with one_graph_per_shape(self.fn, what) as run:
+            made = build(run)
+        self.key, self.run, self.compiles = key, run, self.compiles + 1
+        return made

@@ -138,19 +138,26 @@ def _dense_layer(shape: dict, w):
     return layer
 
 
-def _time_point(fn, args, *, launch: str, compile: bool, timer, repeats: int, what: str) -> float:
-    """``fn(*args)`` timed (median ms): compiled afresh for this shape when asked (any fallback an EldrError),
-    captured in a CUDA graph or called eagerly; timed at once, before the next shape resets dynamo."""
-    from contextlib import nullcontext
-
-    from eldr_cli.costmodel.compiled import one_graph_per_shape
+def _time_point(fn, args, *, launch: str, compile, timer, repeats: int, what: str) -> float:
+    """``fn(*args)`` timed (median ms): through ``compile`` (a :class:`compiled.PerShape` of ``fn``: one whole
+    compiled graph per shape, any fallback an EldrError) when given, captured in a CUDA graph or called
+    eagerly; timed at once, before a later shape resets dynamo."""
     from eldr_cli.costmodel.moe_layer import _graphed
 
-    with one_graph_per_shape(fn, what) if compile else nullcontext(fn) as run:
-        call = _graphed(run, *args) if launch == "graph" else (lambda: run(*args))
-        if launch != "graph":
-            call()  # compiles here (a CUDA graph's warm-up compiles in _graphed)
+    def build(run):
+        if launch == "graph":
+            return _graphed(run, *args)  # its warm-up compiles
+        run(*args)  # compiles here
+        return lambda: run(*args)
+
+    call = compile.call(args, build, what) if compile else build(fn)
     return timer(call, repeats)
+
+
+def _compiler(fn, compile: bool):
+    from eldr_cli.costmodel.compiled import PerShape
+
+    return PerShape(fn) if compile else None
 
 
 def _setup(shape: dict, device: str, dtype: str | None, backend: str, launch: str, seed: int):
@@ -190,6 +197,7 @@ def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_AC
     _, dev, w, backend, launch, how, dtype = _setup(shape, device, dtype, backend, launch, seed)
     E, H, k, nkv, hd = shape["num_experts"], shape["hidden"], shape["top_k"], shape["kv_heads"], shape["head_dim"]
     layer = _decoder_layer(shape, backend, w)
+    comp = _compiler(layer, compile)
     rng = np.random.default_rng(seed)
     kv: dict = {}
     xs = {b: w(b, H, fan=1) for b in {p[0] for p in points}}
@@ -201,7 +209,7 @@ def time_decode_step(shape: dict, *, batches=DEFAULT_BATCHES, actives=DEFAULT_AC
                 kv[(b, c)] = (w(b, nkv, c, hd, fan=1), w(b, nkv, c, hd, fan=1))
             routes = [(e, torch.from_numpy(t).to(dev)) for e, t in _routing(b, a, k, E, rng)]
             plan = _grouped_plan(routes, E, dev) if backend == "grouped" else routes
-            ms = _time_point(layer, (xs[b], *kv[(b, c)], plan), launch=launch, compile=compile, timer=timer,
+            ms = _time_point(layer, (xs[b], *kv[(b, c)], plan), launch=launch, compile=comp, timer=timer,
                              repeats=repeats, what=f"the MoE layer at batch {b}, {a} active experts, context {c}")
             rows.append({"batch": b, "active_experts": a, "context": c, "kv_tokens": b * c, "ms": ms})
             if progress:
@@ -232,12 +240,13 @@ def time_dense_layer(shape: dict, *, batches=DEFAULT_BATCHES, contexts=DEFAULT_C
                         f"context <= {max_kv_tokens}); its fit needs at least 3")
     _, dev, w, _, launch, _, _ = _setup(shape, device, dtype, "loop", launch, seed + 1)
     layer, nkv, hd = _dense_layer(shape, w), shape["kv_heads"], shape["head_dim"]
+    comp = _compiler(layer, compile)
     timer = _cuda_median if dev.type == "cuda" else _wall_median
     rows = []
     with torch.inference_mode():
         for i, (b, c) in enumerate(points):
             args = (w(b, shape["hidden"], fan=1), w(b, nkv, c, hd, fan=1), w(b, nkv, c, hd, fan=1))
-            ms = _time_point(layer, args, launch=launch, compile=compile, timer=timer, repeats=repeats,
+            ms = _time_point(layer, args, launch=launch, compile=comp, timer=timer, repeats=repeats,
                              what=f"the dense layer at batch {b}, context {c}")
             rows.append({"batch": b, "context": c, "kv_tokens": b * c, "ms": ms})
             if progress:
@@ -260,9 +269,10 @@ def time_lm_head(shape: dict, *, batches=DEFAULT_BATCHES, device: str = "cpu", d
         return torch.argmax(_rms(x) @ w_head, dim=-1)
 
     timer = _cuda_median if dev.type == "cuda" else _wall_median
+    comp = _compiler(head, compile)
     with torch.inference_mode():
         return [{"batch": b, "ms": _time_point(head, (w(b, shape["hidden"], fan=1),), launch=launch,
-                                               compile=compile, timer=timer, repeats=repeats,
+                                               compile=comp, timer=timer, repeats=repeats,
                                                what=f"the LM head at batch {b}")} for b in batches]
 
 

@@ -78,6 +78,8 @@ class StepTimer:
 
         self.shape, self.L, self.repeats, self.dtype = shape, n_layers, repeats, dtype
         self.dev = torch.device(device)
+        if self.dev.type == "cpu":
+            torch.set_num_threads(1)  # a tiny shape on a shared CPU: more threads only contend (10x slower here)
         self.banks = _banks(shape, dtype, self.dev, n_layers, seed)
         self.graphs: dict[int, tuple] = {}
         self.g = torch.Generator(device=self.dev).manual_seed(seed + 1)
@@ -227,7 +229,7 @@ def compare(results: list[dict]) -> list[dict]:
             y = np.array(m["moe_ms_per_step"])
             d = float(y.mean() - x.mean())
             se = float(np.sqrt(y.var(ddof=1) / len(y) + x.var(ddof=1) / len(x))) if min(len(x), len(y)) > 1 else 0.0
-            row = {"batch_size": B, "policy": p, "best_lb": best, "delta_ms": d, "delta_pct": 100 * d / x.mean(),
+            row = {"batch_size": B, "policy": p, "best_lb": best, "delta_ms": d, "delta_pct": float(100 * d / x.mean()),
                    "delta_ci95": [d - 1.96 * se, d + 1.96 * se] if se else [d, d]}
             if se:
                 vy, vx = y.var(ddof=1) / len(y), x.var(ddof=1) / len(x)

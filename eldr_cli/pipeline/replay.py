@@ -159,8 +159,9 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
             router = make_router(name, K, model=model, tau=tau, seed=seed, oracle=oracle)
             rec = replay_batches(tr, rows, router, K, B, domains=domains)
             results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec, masks)})
-            if measure is not None:
-                results[-1]["measured"] = measure(tr, rec)
+            got = measure(tr, rec) if measure is not None else None
+            if got is not None:
+                results[-1]["measured"] = got
             if progress:
                 progress(name, B)
     generated = tr.model.get("family") == "synthetic" or tr.model.get("model") == "synthetic"
@@ -168,7 +169,7 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
     out = {"results": results, "oracle_share": shares(results), "n_decoders": K, "split": split,
            "served_rows": int(served.size), "n_layers": tr.num_layers, "num_experts": tr.num_experts,
            "tau": model.tau if tau is None else tau, "trace_source": source, "model": tr.model.get("model")}
-    if measure is not None:
+    if any("measured" in r for r in results):
         from eldr_cli.costmodel.moe_replay import compare
 
         out.update(measured=measure.facts(), measured_vs_best_lb=compare(results))
