@@ -269,11 +269,12 @@ class MeasuredReplay:
         self.shape = None if tiny else self._shape(model, tp)
         self.tp, self.dtype, self.tiny = tp, dtype, tiny
         self.max_steps, self.repeats, self.seed = max_steps, repeats, seed
-        self.cost = None
+        self.cost, self.cost_params = None, {}
         if cost_model is not None:
+            from eldr_cli.artifacts.store import Artifact
             from eldr_cli.costmodel import CostModel
 
-            self.cost = CostModel.load(cost_model)
+            self.cost, self.cost_params = CostModel.load(cost_model), Artifact(cost_model).params
         self.timer: StepTimer | None = None
 
     @staticmethod
@@ -283,6 +284,11 @@ class MeasuredReplay:
         return layer_shape(model, tp)
 
     def _check(self, trace) -> dict:
+        from eldr_cli.costmodel import model_mismatch
+
+        why = model_mismatch(self.cost_params, trace.num_layers, trace.num_experts)
+        if why:
+            raise EldrError(f"--cost-model {why}", hint="give the cost model of the trace's model")
         if self.tiny:
             return {**TINY, "num_experts": trace.num_experts, "top_k": trace.top_k, "model": "tiny", "tp": 1}
         s = self.shape or {}
