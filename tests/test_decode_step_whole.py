@@ -163,3 +163,21 @@ def test_more_shapes_than_the_recompile_limit_each_get_a_compiled_graph():
     rows = ds.time_lm_head({"hidden": 32, "vocab": 64}, batches=tuple(range(1, 11)), device="cpu", compile=True,
                            repeats=2)
     assert len(rows) == 10 and graphs_compiled() - before == 10
+
+
+@pytest.mark.slow
+def test_points_of_one_shape_share_one_compiled_graph_and_a_new_shape_gets_its_own():
+    import torch
+
+    from eldr_cli.costmodel.compiled import PerShape, graphs_compiled
+
+    torch.set_num_threads(1)
+    comp = PerShape(lambda x, w: torch.nn.functional.silu(x @ w) + x)
+    before = graphs_compiled()
+    w = torch.randn(8, 8)
+    outs = [comp.call((torch.full((2, 8), float(i)), w), lambda run, i=i: run(torch.full((2, 8), float(i)), w),
+                      "f") for i in range(3)]
+    assert comp.compiles == 1 and graphs_compiled() - before == 1  # three points, one shape: one graph
+    assert torch.allclose(outs[2], torch.nn.functional.silu(torch.full((2, 8), 2.0) @ w) + 2.0)
+    comp.call((torch.ones(4, 8), w), lambda run: run(torch.ones(4, 8), w), "f")
+    assert comp.compiles == 2 and graphs_compiled() - before == 2
