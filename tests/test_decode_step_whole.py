@@ -103,7 +103,8 @@ def test_shipped_maverick_tp8_step_on_the_h200_names_its_parts(tmp_path, capsys)
     assert run(["bench", "decode-step", "--from-measured", "H200", "--model", "Llama-4-Maverick", "--tp", "8",
                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "24 MoE layers + 24 dense layers" in printed and "h200_maverick_tp8_dense_layer.json" in printed
+    assert "24 MoE layers + 24 dense layers (LM head not charged)" in printed
+    assert "h200_maverick_tp8_dense_layer.json" in printed
     from eldr_cli.artifacts.store import Artifact
     from eldr_cli.costmodel import CostModel
 
@@ -111,7 +112,11 @@ def test_shipped_maverick_tp8_step_on_the_h200_names_its_parts(tmp_path, capsys)
     assert p["compiled"] is False and "not compiled" in p["timed"]
     assert set(p["measured_parts"]) == {"moe", "dense", "shared"}
     assert "decode_step_maverick_tp8" in p["measured_parts"]["moe"] and "NOT compiled" in p["measured_parts"]["moe"]
-    assert any(x.startswith("the LM head: not measured") for x in p["not_timed"])
+    assert [x for x in p["not_timed"] if "LM head" in x] == [x for x in p["not_timed"] if x.startswith(
+        "the LM head: not measured for Llama-4-Maverick TP8")] and "(LM head not charged)" in p["step"]
+    assert p["provenance"] == ("MEASURED decode step: Llama-4-Maverick TP8, the whole step (24 MoE layers with "
+                               "shared expert + 24 dense layers; LM head not measured; CUDA graph) on cuda (NVIDIA "
+                               "H200) (shipped with eldr)")
     cm = CostModel.load(out)
     # per MoE layer: its own fixed cost + the shared expert's (26 us) + one dense layer's (67 us)
     assert cm.a_ms == pytest.approx(p["layer_ms"]["k0"] + p["dense_layer_ms"]["d0"])

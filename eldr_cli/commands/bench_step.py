@@ -43,7 +43,8 @@ def _print_step(out: Path) -> None:
     for kind, src in (p.get("measured_parts") or {}).items():
         console.print(f"  {kind} from {src}")
     if "kv_capacity_tokens" not in p:
-        console.print("no KV capacity: the GPU is not a preset (H100-SXM, H200), so decoders are not KV-capped")
+        console.print(p.get("deployment_note") or "no KV capacity: the GPU is not a preset (H100-SXM, H200)"
+                      + ", so decoders are not KV-capped")
     console.print(f"-> {out} (decode_step_timings.parquet"
                   + (", dense_layer_timings.parquet" if isinstance(d, dict) else "") + ")")
 

@@ -319,10 +319,10 @@ def fit_lm_head(rows: list[dict]) -> dict:
     return {**coef, "max_abs_rel_error": fit["max_abs_rel_error"]}
 
 
-def _cuda_median(fn, n: int) -> float:
+def _cuda_median(fn, n: int, warmup: int = 3) -> float:
     import torch
 
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []

@@ -57,7 +57,10 @@ def deployment_params(model: str, preset: str | None, tp: int, dtype: str = "bf1
     from eldr_cli.costmodel.deployment import DEPLOYMENT_KEYS
     from eldr_cli.costmodel.roofline import build
 
-    _, _, _, d = build(model, device=preset, dtype=dtype, tp=tp)
+    try:
+        _, _, _, d = build(model, device=preset, dtype=dtype, tp=tp)
+    except EldrError as e:  # e.g. Maverick bf16 at TP8 on 80 GB GPUs: timed per rank, but no such instance
+        return {"deployment_note": f"no KV capacity: {e.message}"}
     dep = d.as_params()
     return {**{k: dep[k] for k in DEPLOYMENT_KEYS}, "deployment": dep}
 
@@ -115,13 +118,20 @@ def write_step(out, kinds: dict, shape: dict, device: str, preset: str | None, p
         tables["lm_head_timings"] = pl.DataFrame(kinds["lm_head"])
     cm = cost_model_of(coef, shape, device, head, dense)
     missing = list(not_timed if not_timed is not None else shape.get("not_timed", []))
-    if not head:
+    if not head and not any("LM head" in x for x in missing):
         missing.insert(0, "the LM head (no vocabulary or not measured): not charged")
     L, Ld = shape["n_layers"], int(shape.get("dense_layers") or 0)
-    return write_cost_model(out, cm, params={
+    how = "torch.compile + CUDA graph" if params.get("compiled") and params.get("launch", "graph") == "graph" else (
+        "CUDA graph" if params.get("launch") == "graph" or params.get("measured") else "launched eagerly")
+    prov = (f"MEASURED decode step: {shape['model']} TP{shape['tp']}, the whole step ({L} MoE layers"
+            f"{' with shared expert' if shape.get('shared_experts') else ''}{f' + {Ld} dense layers' if Ld else ''}"
+            f"{' + the LM head' if head else '; LM head not measured'}; {how}) on {device}"
+            f"{' (shipped with eldr)' if params.get('measured') else ''}")
+    return write_cost_model(out, cm, params={"provenance": prov,
         **params, "label": "MEASURED", "layer_ms": coef, "dense_layer_ms": dense or "none (no dense layers)",
         "lm_head_ms": head or "not measured", **extra, "n_layers": L, "dense_layers": Ld,
-        "step": f"{L} MoE layers + {Ld} dense layers + the LM head, per step",
+        "step": f"{L} MoE layers + {Ld} dense layers" + (" + the LM head" if head else " (LM head not charged)")
+                + ", per step",
         "layer_kinds": _kinds(shape, {"moe": coef, "dense": dense, "head": head}, params.get("timed", "")),
         "not_timed": missing, **deployment_params(shape["model"], preset, shape["tp"])},
         metrics={**{f"fit_{k}": v for k, v in fit.items()}, **{f"dense_fit_{k}": v for k, v in dfit.items()},

@@ -127,7 +127,7 @@ class StepTimer:
         offs.copy_(torch.from_numpy(np.stack([p[1] for p in plans])))
         from eldr_cli.costmodel.decode_step import _cuda_median
 
-        return _cuda_median(replay, self.repeats)
+        return _cuda_median(replay, self.repeats, warmup=1)  # a captured graph: one replay warms it
 
     def _cpu(self, n: int, plans) -> float:
         import torch
