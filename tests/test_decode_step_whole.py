@@ -45,6 +45,8 @@ def test_layer_kinds_follow_each_config_layout():
     assert (mav["shared_experts"], mav["shared_intermediate"], mav["intermediate"]) == (1, 1024, 1024)
     q = ds.layer_shape("Qwen3-30B-A3B")
     assert (q["n_layers"], q["dense_layers"], q["shared_experts"]) == (48, 0, 0)
+    with pytest.raises(EldrError, match="sliding-window attention"):
+        ds.layer_shape("GPT-OSS-120B")
 
 
 @pytest.mark.parametrize("extra,msg", [({"q_lora_rank": 8, "kv_lora_rank": 8}, "MLA"),

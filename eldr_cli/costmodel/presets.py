@@ -20,9 +20,10 @@ MODELS: dict[str, dict] = {
     "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
                             head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
                             vocab_size=151936, tie_word_embeddings=False),
+    # every other layer attends over a 128-token sliding window (what `bench decode-step` refuses to time)
     "GPT-OSS-120B": dict(hidden_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
                          head_dim=64, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
-                         vocab_size=201088, tie_word_embeddings=False),
+                         vocab_size=201088, tie_word_embeddings=False, sliding_window=128),
     "Mixtral-8x7B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
                          vocab_size=32000, tie_word_embeddings=False),
