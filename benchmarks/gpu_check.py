@@ -480,8 +480,29 @@ def main(argv=None) -> int:
             _table(doc)
         except Exception as e:  # noqa: BLE001
             print(f"(table failed: {e!r}; the JSON has every section)")
+        doc["checks_failed"] = checks(doc)
+        out.write_text(json.dumps(doc, indent=1))
+        for c in doc["checks_failed"]:
+            print(f"CHECK FAILED: {c}", file=sys.stderr)
     print(f"-> {out}")
-    return 1 if failed else 0
+    return 1 if failed or doc.get("checks_failed") else 0
+
+
+def checks(doc: dict) -> list[str]:
+    """What must hold for the figures to be defended (issue 37): a forced dynamo fallback raised, the compiled
+    sections compiled, and the Maverick MoE layer agrees within 10% in and out of the process (a GPU only)."""
+    out = []
+    if doc.get("compile_fallback_check", {}).get("raised") is False:
+        out.append("a function dynamo cannot compile whole ran without an error")
+    if CFG["device"] != "cuda":
+        return out
+    for key in ("decode_step_compiled", "decode_step_maverick_tp8"):
+        if doc.get(key, {}).get("compiled") is False:
+            out.append(f"{key} was not compiled")
+    ag = doc.get("maverick_fresh_process", {}).get("agreement")
+    if ag is not None and not ag.get("within_10pct"):
+        out.append(f"the Maverick MoE layer in a fresh process is not within 10% of the in-process one: {ag}")
+    return out
 
 
 def _fmt_whole(key: str, w: dict) -> list[str]:

@@ -31,7 +31,7 @@ def test_the_dry_run_walks_every_decode_step_and_replay_section_without_polars(t
     assert not errors, errors
     mav = doc["decode_step_maverick_tp8"]
     assert {"moe", "dense", "lm_head", "step_per_moe_layer"} <= set(mav)
-    assert doc["compile_fallback_check"]["raised"] is True
+    assert doc["compile_fallback_check"]["raised"] is True and doc["checks_failed"] == []
     rep = doc["replay_measured"]["bf16"]
     assert {r["policy"] for r in rep["results"]} == {"round-robin", "random", "jsq", "p2c", "domain", "eldr"}
     assert all("pred_delta_expert_ms" in x for x in rep["vs_best_lb"])  # the measured step predicts beside it
@@ -65,3 +65,21 @@ def test_the_shipped_replay_fixture_is_what_the_tool_generates(tmp_path):
     assert set(shipped.files) == set(fresh)
     for k in shipped.files:
         assert np.array_equal(shipped[k], fresh[k]), k
+
+
+def test_the_checks_that_must_hold_on_a_gpu_fail_the_run_when_they_do_not():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    doc = {"compile_fallback_check": {"raised": False}, "decode_step_compiled": {"compiled": True},
+           "decode_step_maverick_tp8": {"compiled": False},
+           "maverick_fresh_process": {"agreement": {"points": 20, "within_10pct": False}}}
+    old = gpu_check.CFG["device"]
+    try:
+        gpu_check.CFG["device"] = "cuda"
+        got = gpu_check.checks(doc)
+    finally:
+        gpu_check.CFG["device"] = old
+    assert len(got) == 3 and any("fresh process" in c for c in got) and any("maverick" in c for c in got)
