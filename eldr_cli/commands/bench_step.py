@@ -63,7 +63,8 @@ def decode_step_cmd(
     actives: str = typer.Option("8,32,64,128", "--active", help="Distinct active experts per MoE layer."),
     contexts: str = typer.Option("512,2048,8192", "--contexts", help="Context tokens per request."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 (GPU default) or float32 (CPU default)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 (GPU default) or float32 (CPU default); "
+                                        "with --from-measured only bf16 is shipped."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Compile each layer with "
                                            "torch.compile (one whole graph per shape; a fallback is an error) before "
                                            "the CUDA graph, as vLLM does (default: on a GPU)."),
@@ -83,10 +84,11 @@ def decode_step_cmd(
     from eldr_cli.errors import EldrError
 
     if from_measured:
-        ms.shipped_kinds(from_measured, model, tp, compile)  # fails before anything is written
+        ms.shipped_kinds(from_measured, model, tp, compile, dtype)  # fails before anything is written
         check_output(out, "cost-model", force=force or None)
         with replacing(out, force):
-            ms.run_decode_step_from_measured(out, device=from_measured, model=model, tp=tp, compiled=compile)
+            ms.run_decode_step_from_measured(out, device=from_measured, model=model, tp=tp, compiled=compile,
+                                             dtype=dtype)
     else:
         grid = _ints(batches, "batches"), _ints(actives, "active"), _ints(contexts, "contexts")
         shape = ds.layer_shape(model, tp)

@@ -138,8 +138,8 @@ def write_step(out, kinds: dict, shape: dict, device: str, preset: str | None, p
                  **(metrics or {})}, tables=tables)
 
 
-def shipped_kinds(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
-                  compiled: bool | None = None) -> tuple[dict, dict]:
+def shipped_kinds(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1, compiled: bool | None = None,
+                  dtype: str | None = None) -> tuple[dict, dict]:
     """(kinds: moe/dense/shared/lm_head -> rows, facts) of the shipped GPU measurement of ``model`` at TP ``tp``
     on a device preset; ``compiled`` None: compiled where shipped. Refuses, naming what is missing, any model,
     TP, device or launch that was not measured whole."""
@@ -150,6 +150,10 @@ def shipped_kinds(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
     name, _ = model_config(model)
     have = "; ".join(f"{m} TP{t} on {', '.join(v)}" for (m, t), v in SHIPPED.items())
     hint = f"shipped: {have}; or time one on your GPU: eldr bench decode-step --device cuda"
+    if dtype not in (None, "bf16", "bfloat16"):
+        raise EldrError(f"no shipped {dtype} decode-step measurement: every shipped step is bf16 (the fp8 runs "
+                        "timed the expert GEMMs alone: h100_maverick_tp8_rank.json, no attention, dense layer or "
+                        "shared expert)", hint=hint)
     src = SHIPPED.get((name, tp), {}).get(preset)
     if src is None:
         why = MISSING.get((name, tp, preset), "a measured step")
@@ -191,9 +195,9 @@ def shipped_rows(device: str, model: str = "Qwen3-30B-A3B", tp: int = 1, compile
 
 
 def run_decode_step_from_measured(out: str | os.PathLike, *, device: str, model: str = "Qwen3-30B-A3B", tp: int = 1,
-                                  compiled: bool | None = None) -> Path:
+                                  compiled: bool | None = None, dtype: str | None = None) -> Path:
     """A `cost-model` artifact from a decode step measured on a GPU and shipped with eldr (no GPU needed)."""
-    kinds, f = shipped_kinds(device, model, tp, compiled)
+    kinds, f = shipped_kinds(device, model, tp, compiled, dtype)
     shape = f["shape"]
     not_timed = list(shape["not_timed"])
     if not kinds["lm_head"]:
