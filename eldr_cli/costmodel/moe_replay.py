@@ -6,7 +6,8 @@ batches (``max_steps`` per policy, seeded) is run as the model's MoE layers, lay
 real token-to-expert assignment: one TP rank's routed experts (width / TP) as a grouped GEMM over all experts
 with per-expert row offsets (``torch._grouped_mm`` bf16, or ``torch._scaled_grouped_mm`` fp8 e4m3), the L
 layers of a step captured in one CUDA graph per token count (the plans are copied into its static buffers
-before each replay, outside the timed region) and timed with CUDA events: the step's MoE time. Weight banks
+before each replay, outside the timed region; each graph checked against the eager step on its first two
+plans) and timed with CUDA events: the step's MoE time. Weight banks
 rotate over the layers (up to 4 distinct banks) so that one layer's experts are not found in L2 by the next.
 On a CPU only a tiny shape runs (for tests), as the per-expert loop launched eagerly: its times are no GPU's.
 
@@ -81,7 +82,7 @@ class StepTimer:
         if self.dev.type == "cpu":
             torch.set_num_threads(1)  # a tiny shape on a shared CPU: more threads only contend (10x slower here)
         self.banks = _banks(shape, dtype, self.dev, n_layers, seed)
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, dict] = {}
         self.g = torch.Generator(device=self.dev).manual_seed(seed + 1)
 
     def _x(self, n: int):
@@ -94,8 +95,6 @@ class StepTimer:
         """(static x, static orders [L, n*k], static offsets [L, E], replay) for n tokens of top-k."""
         import torch
 
-        from eldr_cli.costmodel.moe_layer import _graphed
-
         E = self.shape["num_experts"]
         x = self._x(n)
         orders = torch.zeros(self.L, n * k, dtype=torch.int64, device=self.dev)
@@ -103,11 +102,34 @@ class StepTimer:
 
         def step():
             y = x
-            for layer in range(self.L):
-                y = self.banks[layer % len(self.banks)](y, (orders[layer], offs[layer]))
+            for layer in range(self.L):  # + residual, as a decoder layer adds it: values stay bounded
+                y = y + self.banks[layer % len(self.banks)](y, (orders[layer], offs[layer]))
             return y
 
-        return x, orders, offs, _graphed(step)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step()
+        return {"orders": orders, "offs": offs, "graph": g, "out": out, "step": step, "checked": 0}
+
+    def _check(self, gr: dict) -> None:
+        """The graph must run the plan now in its buffers (the grouped GEMM reads its row offsets on the GPU):
+        its output equals the same step run eagerly, for the first two plans of each graph."""
+        import torch
+
+        gr["graph"].replay()
+        got = gr["out"].clone()
+        with torch.inference_mode():
+            want = gr["step"]()
+        if not torch.allclose(got.float(), want.float(), rtol=0.05, atol=0.05):
+            raise EldrError("a CUDA graph replayed a stale expert assignment (its output differs from the eager "
+                            "step's): this torch's grouped GEMM does not read its offsets on the GPU, so the "
+                            "measured replay cannot reuse graphs", hint="report it with the torch version")
+        gr["checked"] += 1
 
     def __call__(self, picks: np.ndarray) -> float:
         import torch
@@ -122,12 +144,14 @@ class StepTimer:
         if n not in self.graphs:
             with torch.inference_mode():
                 self.graphs[n] = self._graph(n, k)
-        _, orders, offs, replay = self.graphs[n]
-        orders.copy_(torch.from_numpy(np.stack([p[0] for p in plans])))
-        offs.copy_(torch.from_numpy(np.stack([p[1] for p in plans])))
+        gr = self.graphs[n]
+        gr["orders"].copy_(torch.from_numpy(np.stack([p[0] for p in plans])))
+        gr["offs"].copy_(torch.from_numpy(np.stack([p[1] for p in plans])))
+        if gr["checked"] < 2:
+            self._check(gr)
         from eldr_cli.costmodel.decode_step import _cuda_median
 
-        return _cuda_median(replay, self.repeats, warmup=1)  # a captured graph: one replay warms it
+        return _cuda_median(gr["graph"].replay, self.repeats, warmup=1)  # one replay warms a captured graph
 
     def _cpu(self, n: int, plans) -> float:
         import torch
@@ -144,7 +168,7 @@ class StepTimer:
         def step():
             y = x
             for layer, r in enumerate(routes):
-                y = self.banks[layer % len(self.banks)](y, r)
+                y = y + self.banks[layer % len(self.banks)](y, r)
             return y
 
         with torch.inference_mode():
