@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# a GPU machine's python3 has torch, numpy, scipy, typer, rich, pandas: not these
-BARE = ("import sys, runpy\nfor m in ('polars', 'zarr', 'jsonschema'):\n    sys.modules[m] = None\n"
+# a GPU machine's python3 has torch, numpy, scipy, typer, rich, pandas: none of these
+BARE = ("import sys, runpy\nfor m in ('polars', 'zarr', 'jsonschema', 'numba', 'matplotlib', 'sklearn', 'pyarrow'):\n"
+        "    sys.modules[m] = None\n"
         "sys.argv = [{script!r}] + sys.argv[1:]\nrunpy.run_path({script!r}, run_name='__main__')\n")
 
 
