@@ -24,7 +24,7 @@ help:
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
 	@echo "make test-dynamo  eldr's decode router inside a real NVIDIA Dynamo deployment (builds .venv-dynamo; ~4 min once, then ~30 s)"
-	@echo "make gpu-check  on one CUDA GPU, ~70 s: what the GPU claims rest on (GPU_PYTHON=python3 without a venv)"
+	@echo "make gpu-check  on one CUDA GPU, target < 3 min: what the GPU claims rest on (GPU_PYTHON=python3 without a venv)"
 
 # -- environment ---------------------------------------------------------------------------
 venv: $(STAMP)
@@ -217,8 +217,8 @@ bench-report: venv  ## eldr report end to end: verdict table + wall time (genera
 
 .PHONY: gpu-check
 # GPU_PYTHON=python3: a Python that has torch and triton (a GPU machine without network: no .venv needed)
-gpu-check: $(if $(GPU_PYTHON),,venv)  ## on one CUDA GPU (~1.5 min, no vLLM, no downloads): capture kernels, moe-layer grouped bf16/fp8 vs loop, decode attention, the whole decode layer, the plugin's hook in CUDA graphs, the roofline's error
-	$(or $(GPU_PYTHON),$(BIN)/python) benchmarks/gpu_check.py --out bench-results/gpu_check.json
+gpu-check: $(if $(GPU_PYTHON),,venv)  ## on one CUDA GPU (target < 3 min, no vLLM, no downloads, no polars): capture kernels, moe-layer grouped bf16/fp8 vs loop, decode attention, the WHOLE decode step kind by kind (Qwen3 TP1, Llama-4-Maverick TP8, compiled, fresh-process agreement), the measured replay (bf16, fp8) of the shipped GENERATED trace, the plugin's hook in CUDA graphs, the roofline's error (GPU_CHECK_ARGS=--device cpu: a dry run at tiny shapes)
+	$(or $(GPU_PYTHON),$(BIN)/python) benchmarks/gpu_check.py --out bench-results/gpu_check.json $(GPU_CHECK_ARGS)
 
 .PHONY: bench-sim
 bench-sim: venv  ## simulator speed (8P16D, 5 rates x 120 s x 7 routers incl. oracle), its TPOT report, load-generator lag, emulator agreement

@@ -24,8 +24,8 @@ app = typer.Typer(
 )
 
 # one module per subcommand (or group); each defines register(app)
-COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "serve_dynamo", "place", "bench", "emulate",
-                   "capture", "report", "dashboard"]
+COMMAND_MODULES = ["inspect", "synth", "fit", "model", "serve_proxy", "serve_dynamo", "place", "bench",
+                   "bench_step", "emulate", "capture", "report", "dashboard"]
 
 INTERRUPTED = 130
 

@@ -8,6 +8,7 @@ import pytest
 
 from eldr_cli.costmodel import CostModel, step_ms_from_terms
 from eldr_cli.costmodel import decode_step as ds
+from eldr_cli.costmodel import measured_step as ms
 from eldr_cli.errors import EldrError
 from eldr_cli.main import run
 
@@ -29,7 +30,7 @@ def test_fit_recovers_known_coefficients_and_states_residuals():
 
 
 def test_the_measured_step_is_the_one_formula_with_a_kv_term():
-    cm = ds.cost_model_of({"k0": 0.07, "kb": 0.0034, "kt": 0.00024, "kv": 6.6e-7}, {**TINY, "top_k": 8}, "cuda (x)")
+    cm = ms.cost_model_of({"k0": 0.07, "kb": 0.0034, "kt": 0.00024, "kv": 6.6e-7}, {**TINY, "top_k": 8}, "cuda (x)")
     terms = cm.step_terms(48)
     assert terms[4] == pytest.approx(48 * 6.6e-7)  # the KV term per context token, all layers
     ctx = [512, 2048, 4096]
@@ -53,7 +54,7 @@ def test_timing_a_small_layer_on_the_cpu_gives_rows_for_every_point():
 
 def test_a_cpu_run_writes_the_layer_and_the_lm_head_charged_once_per_step(tmp_path):
     out = tmp_path / "cm"
-    ds.run_decode_step(out, shape={**TINY, "vocab": 512}, batches=(2, 8), actives=(2, 4, 8), contexts=(16, 64),
+    ms.run_decode_step(out, shape={**TINY, "vocab": 512}, batches=(2, 8), actives=(2, 4, 8), contexts=(16, 64),
                        device="cpu", repeats=2)
     from eldr_cli.artifacts.store import Artifact
 
@@ -91,7 +92,7 @@ def test_shipped_h100_measurement_fits_within_6pct_and_its_roofline_ratio_is_sta
 
     a = Artifact(out)
     assert a.metrics["fit_max_abs_rel_error"] < 0.06 and a.params["compiled"] is True
-    rows, _ = ds.shipped_rows("H100-SXM")
+    rows, _ = ms.shipped_rows("H100-SXM")
     # what a distinct expert costs, measured: 3.4 us per layer on the H100 (bf16, 9.4 MB per expert)
     assert 2.5e-3 < cm.b_ms < 4.5e-3
     assert len(rows) >= 20
@@ -106,7 +107,14 @@ def test_bad_input_exits_2_with_one_message_and_writes_nothing(tmp_path, capsys,
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cases = [(["--device", "cuda"], "torch sees no CUDA GPU"),
-             (["--from-measured", "H100-SXM", "--model", "Llama-4-Maverick"], "no shipped decode-step measurement"),
+             (["--from-measured", "H100-SXM", "--model", "Llama-4-Maverick", "--tp", "8"],
+              "missing the dense layers and the shared expert on an H100"),
+             (["--from-measured", "H200", "--model", "Llama-4-Maverick"], "no shipped decode-step measurement of "
+                                                                           "Llama-4-Maverick TP1"),
+             (["--from-measured", "H200", "--model", "Llama-4-Maverick", "--tp", "8", "--compile"],
+              "was not timed compiled"),
+             (["--from-measured", "H100-SXM", "--model", "Llama-4-Maverick", "--tp", "8", "--dtype", "fp8"],
+              "no shipped fp8 decode-step measurement"),
              (["--from-measured", "B300"], "unknown device"),
              (["--model", "DeepSeek-V3", "--device", "cpu"], "MLA"),
              (["--device", "cpu", "--batches", "1", "--active", "1", "--contexts", "1"], "fewer than 4"),
@@ -165,8 +173,8 @@ def test_compiled_graph_fixed_cost_is_below_the_plain_graphs_on_both_gpus():
     """What the shipped measurements say (and the docs quote): inductor's fusion takes 40-50 us of the
     layer's fixed cost away; the per-expert cost (weight reads) is the same either way, within 5%."""
     for dev in ("H100-SXM", "H200"):
-        plain = ds.fit_decode_step(ds.shipped_rows(dev, compiled=False)[0])[0]
-        comp = ds.fit_decode_step(ds.shipped_rows(dev, compiled=True)[0])[0]
+        plain = ds.fit_decode_step(ms.shipped_rows(dev, compiled=False)[0])[0]
+        comp = ds.fit_decode_step(ms.shipped_rows(dev, compiled=True)[0])[0]
         assert comp["k0"] < plain["k0"] - 0.03
         assert abs(comp["kb"] / plain["kb"] - 1) < 0.05
     assert np.isfinite(comp["kv"])

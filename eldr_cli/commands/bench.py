@@ -227,71 +227,6 @@ def moe_layer_cmd(
     console.print(f"-> {out} (fig2_moe_layer.png, moe_timings.parquet)")
 
 
-@bench_app.command("decode-step")
-def decode_step_cmd(
-    out: Path = typer.Option(Path("artifacts/cost-model"), "--out"),
-    model: str = typer.Option("Qwen3-30B-A3B", "--model", help="A preset (Qwen3-30B-A3B, Llama-4-Maverick, ...) or "
-                              "a Hugging Face config.json: the timed layer's heads, KV heads, experts, widths."),
-    tp: int = typer.Option(1, "--tp", min=1, help="Time one tensor-parallel rank's share of the layer."),
-    from_measured: Optional[str] = typer.Option(None, "--from-measured", help="No timing: fit the decode layer "
-                                                "measured on this GPU preset (H100-SXM or H200) and shipped with "
-                                                "eldr (Qwen3-30B-A3B TP1)."),
-    batches: str = typer.Option("8,64,256", "--batches", help="Batch sizes (running requests)."),
-    actives: str = typer.Option("8,32,64,128", "--active", help="Distinct active experts per layer."),
-    contexts: str = typer.Option("512,2048,8192", "--contexts", help="Context tokens per request."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 (GPU default) or float32 (CPU default)."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Compile the layer with "
-                                           "torch.compile before the CUDA graph, as vLLM does (default: on a GPU)."),
-    repeats: int = typer.Option(20, "--repeats", min=1),
-    seed: int = SEED,
-    force: bool = FORCE,
-) -> None:
-    """Time one whole decoder layer (attention over a KV cache, projections, router, MoE over only the active
-    experts) at batch x active experts x context, in a CUDA graph on a GPU; fit the simulator's step form
-    k0 + kb*active + kt*batch + kv*KV tokens per layer; write a cost model for simulate, report, serve-proxy."""
-    from eldr_cli.artifacts.guard import check_output
-    from eldr_cli.artifacts.store import Artifact
-    from eldr_cli.console import console
-    from eldr_cli.costmodel import decode_step as ds
-    from eldr_cli.costmodel.moe_layer import resolve_backend, resolve_device
-    from eldr_cli.errors import EldrError
-
-    if from_measured:
-        ds.shipped_rows(from_measured, model, tp)  # fails before anything is written
-        check_output(out, "cost-model", force=force or None)
-        with replacing(out, force):
-            ds.run_decode_step_from_measured(out, device=from_measured, model=model, tp=tp,
-                                             compiled=compile is not False)
-    else:
-        grid = _ints(batches, "batches"), _ints(actives, "active"), _ints(contexts, "contexts")
-        shape = ds.layer_shape(model, tp)
-        dev = resolve_device(device)
-        resolve_backend("auto", "auto", dev, dtype or ("bfloat16" if dev == "cuda" else "float32"))
-        if len(ds.grid(*grid, shape["top_k"], shape["num_experts"])) < 4:
-            raise EldrError("fewer than 4 timeable (batch, active, context) points: the fit needs 4",
-                            hint="active <= experts and batch x top-k; batch x context <= 524,288")
-        check_output(out, "cost-model", force=force or None)  # before minutes of timing
-        with console.status("timing the decoder layer ...") as st, replacing(out, force):
-            ds.run_decode_step(out, model=model, tp=tp, batches=grid[0], actives=grid[1], contexts=grid[2],
-                               device=dev, dtype=dtype, repeats=repeats, seed=seed, compile=compile,
-                               progress=lambda i, n: st.update(f"timing the decoder layer: point {i}/{n}"))
-    a = Artifact(out)
-    c, m = a.params["coefficients_ms"], a.metrics
-    console.print(f"cost model (MEASURED decode step: one {a.params['model']} TP{a.params['tp']} layer on "
-                  f"{a.params['device']}; {a.params['timed']}): per layer [bold]{c['a'] * 1e3:.1f} + "
-                  f"{c['b'] * 1e3:.2f}*active + {c['c'] * 1e3:.3f}*requests us + {c['kv'] * 1e6:.3f} ns per KV "
-                  f"token[/]; {m['fit_points']} points, median |residual| {100 * m['fit_median_abs_rel_error']:.1f}%, "
-                  f"max {100 * m['fit_max_abs_rel_error']:.1f}%")
-    h = a.params.get("lm_head_ms")
-    if isinstance(h, dict):
-        console.print(f"of which the LM head, once per step: {h['h0'] * 1e3:.1f} + {h['h1'] * 1e3:.3f}*requests us, "
-                      f"spread over the {a.params['n_layers']} layers above")
-    if "kv_capacity_tokens" not in a.params:
-        console.print("no KV capacity: the GPU is not a preset (H100-SXM, H200), so decoders are not KV-capped")
-    console.print(f"-> {out} (decode_step_timings.parquet)")
-
-
 @bench_app.command("cost-model")
 def cost_model_cmd(
     model: str = typer.Option(..., "--model", help="A Hugging Face config.json (or its directory) or a preset: "
@@ -342,46 +277,6 @@ def cost_model_cmd(
     console.print(f"-> {out}")
 
 
-@bench_app.command("replay")
-def replay_cmd(
-    trace: Path = typer.Option(..., "--trace", help="Trace artifact with per-step decode picks."),
-    routing: Path = typer.Option(..., "--routing", help="Routing (or fit) artifact; K = its decoders."),
-    out: Path = typer.Option(Path("artifacts/replay"), "--out"),
-    policies: str = typer.Option("round-robin,random,jsq,p2c,domain,eldr,oracle", "--policies",
-                                 help="Routing policies; oracle = the step-cluster oracle (clusters the served rows' "
-                                      "own decode steps), clairvoyant = eldr-live's rule fed the true future."),
-    batch_sizes: str = typer.Option("1,4,16,64", "--batch-sizes", help="Decode batch sizes per decoder."),
-    split: str = split_option("evaluation", help="Rows to replay."),
-    tau: Optional[float] = tau_option(),
-    seed: int = SEED,
-    force: bool = FORCE,
-) -> None:
-    """Distinct active experts per decode step by policy and batch size (Fig. 13), replaying the trace's own
-    decode picks closed-loop through each routing policy; no clock, no cost model. The step-cluster oracle
-    clusters the served rows' own decode steps (not a limit: ELDR can beat it); clairvoyant is eldr-live's
-    rule fed each request's true future (needs --policies ...,clairvoyant); the table shows how much of the
-    way to the step-cluster oracle ELDR goes."""
-    from eldr_cli.artifacts.guard import check_output
-    from eldr_cli.console import console
-    from eldr_cli.errors import EldrError
-    from eldr_cli.pipeline.replay import print_replay, run_replay, write_replay
-
-    names = [r.strip() for r in policies.split(",") if r.strip()]
-    try:
-        sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
-    except ValueError:
-        raise EldrError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
-    if not names or not sizes:
-        raise EldrError("--policies and --batch-sizes must not be empty")
-    check_output(out, "replay", [trace, routing], force=force or None)
-    with console.status("replaying ...") as st, replacing(out, force):
-        res = run_replay(trace, routing=routing, policies=names, batch_sizes=sizes, split=split, tau=tau, seed=seed,
-                         progress=lambda p, b: st.update(f"replaying: {p} at batch {b}"))
-        write_replay(out, res, trace=trace, routing=routing, seed=seed)
-    print_replay(res)
-    console.print(f"REPLAY results -> {out} (replay.json, results.parquet, fig13_replay.png)")
-
-
 @bench_app.command("show")
 def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory."), wide: bool = WIDE) -> None:
     """Print a bench artifact's tables again."""
@@ -391,4 +286,4 @@ def show_cmd(path: Path = typer.Argument(..., help="A bench artifact directory."
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(bench_app, name="bench")
+    app.add_typer(bench_app, name="bench")  # decode-step and replay join it from commands.bench_step

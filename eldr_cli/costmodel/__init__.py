@@ -190,7 +190,7 @@ def write_cost_model(out: str | os.PathLike, model: CostModel, *, params: dict |
 
     coeff = {"a": model.a_ms, "b": model.b_ms, "c": model.c_ms, "e": model.e_ms, "d": model.d_ms}
     formula = "step_ms = sum_l (a + b*active_l + c*tokens*top_k_trace/top_k) + L*(e + d*tokens)"
-    if model.kv_ms:
+    if model.kv_ms or model.source == "measured-decode-step":  # a measured step states its KV term, 0 or not
         coeff["kv"] = model.kv_ms
         formula += " + L*kv*sum(context)"
     extra = {"model": model.model} if model.model else {}

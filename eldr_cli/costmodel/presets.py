@@ -23,9 +23,10 @@ MODELS: dict[str, dict] = {
     "Qwen3-235B-A22B": dict(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
                             head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
                             vocab_size=151936, tie_word_embeddings=False),
+    # every other layer attends over a 128-token sliding window (what `bench decode-step` refuses to time)
     "GPT-OSS-120B": dict(hidden_size=2880, num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
                          head_dim=64, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880,
-                         vocab_size=201088, tie_word_embeddings=False),
+                         vocab_size=201088, tie_word_embeddings=False, sliding_window=128),
     "Mixtral-8x7B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336,
                          vocab_size=32000, tie_word_embeddings=False),
@@ -128,11 +129,10 @@ def model_facts(cfg: dict) -> ModelFacts:
     hd = int(g("head_dim") or H // heads)
     I_e = int(g("moe_intermediate_size") or g("intermediate_size"))
     I_d = int(g("intermediate_size_mlp") or g("intermediate_size") or I_e)
-    first_dense = int(g("first_k_dense_replace") or 0)
-    step = int(g("interleave_moe_layer_step") or g("decoder_sparse_step") or 1)
-    moe_layers = sum(1 for i in range(L) if i >= first_dense and (i + 1) % step == 0)
-    shared = int(g("n_shared_experts") or (1 if g("shared_expert_intermediate_size") else 0))
-    I_s = int(g("shared_expert_intermediate_size") or I_e)
+    from eldr_cli.costmodel.layer_kinds import moe_layer_flags, shared_experts
+
+    moe_layers = sum(moe_layer_flags(cfg))  # Llama-4's moe_layers, Qwen's mlp_only_layers, first-k-dense, ...
+    shared, I_s = shared_experts(cfg)  # a Llama-4 config.json has no key for its one shared expert
     if g("kv_lora_rank"):  # MLA: low-rank q and joint kv, cache holds the compressed kv + rope key
         qr, kr, rope = int(g("q_lora_rank") or 0), int(g("kv_lora_rank")), int(g("qk_rope_head_dim"))
         nope, vd = int(g("qk_nope_head_dim")), int(g("v_head_dim"))

@@ -110,8 +110,10 @@ def shares(results: list[dict]) -> list[dict]:
 
 
 def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHES, split: str = "evaluation",
-               tau: float | None = None, seed: int = 0, progress=None) -> dict:
-    """Replay every (policy, batch size); returns {"results": [...], "oracle_share": [...], facts}."""
+               tau: float | None = None, seed: int = 0, progress=None, measure=None) -> dict:
+    """Replay every (policy, batch size); returns {"results": [...], "oracle_share": [...], facts}. ``measure``
+    (``costmodel.moe_replay.MeasuredReplay``): each result also gets ``measured`` = ``measure(trace, record)``
+    (its steps' MoE time, MEASURED), and the result ``measured_vs_best_lb``."""
     from eldr_cli.artifacts.trace import read_trace
     from eldr_cli.pipeline import checks
     from eldr_cli.pipeline.evaluate import replay_batches
@@ -157,13 +159,21 @@ def run_replay(trace_path, *, routing, policies=None, batch_sizes=DEFAULT_BATCHE
             router = make_router(name, K, model=model, tau=tau, seed=seed, oracle=oracle)
             rec = replay_batches(tr, rows, router, K, B, domains=domains)
             results.append({"policy": name, "batch_size": B, "requests": int(rows.size), **score(tr, rec, masks)})
+            got = measure(tr, rec) if measure is not None else None
+            if got is not None:
+                results[-1]["measured"] = got
             if progress:
                 progress(name, B)
     generated = tr.model.get("family") == "synthetic" or tr.model.get("model") == "synthetic"
     source = "generated" if generated else ("imported" if tr.model.get("family") == "imported" else "captured")
-    return {"results": results, "oracle_share": shares(results), "n_decoders": K, "split": split,
-            "served_rows": int(served.size), "n_layers": tr.num_layers, "num_experts": tr.num_experts,
-            "tau": model.tau if tau is None else tau, "trace_source": source, "model": tr.model.get("model")}
+    out = {"results": results, "oracle_share": shares(results), "n_decoders": K, "split": split,
+           "served_rows": int(served.size), "n_layers": tr.num_layers, "num_experts": tr.num_experts,
+           "tau": model.tau if tau is None else tau, "trace_source": source, "model": tr.model.get("model")}
+    if any("measured" in r for r in results):
+        from eldr_cli.simulator.moe_replay import compare
+
+        out.update(measured=measure.facts(), measured_vs_best_lb=compare(results))
+    return out
 
 
 def write_replay(out, res: dict, *, trace, routing, seed: int = 0, figures: bool = True) -> Path:
@@ -173,13 +183,19 @@ def write_replay(out, res: dict, *, trace, routing, seed: int = 0, figures: bool
     from eldr_cli.artifacts.store import ArtifactWriter
 
     params = {k: res[k] for k in ("n_decoders", "split", "tau", "trace_source", "model", "n_layers", "num_experts")}
+    if "measured" in res:
+        params["measured"] = res["measured"]
     params.update(policies=list(dict.fromkeys(r["policy"] for r in res["results"])),
                   batch_sizes=sorted({r["batch_size"] for r in res["results"]}), seed=seed,
                   metric="distinct active experts per layer per decode step (steady state, mean over layers)")
     with ArtifactWriter(out, kind="replay", params=params, inputs={"trace": trace, "routing": routing}) as w:
-        w.write_table("results", pl.DataFrame(res["results"]))
+        w.write_table("results", pl.DataFrame([{k: v for k, v in r.items() if k != "measured"}
+                                               for r in res["results"]]))
         w.write_json("replay.json", res)
         w.metrics.update({"served_rows": res["served_rows"], "oracle_share": res["oracle_share"]})
+        if "measured" in res:
+            w.write_table("moe_time", pl.DataFrame(moe_time_rows(res)))
+            w.metrics["measured_vs_best_lb"] = res["measured_vs_best_lb"]
         if figures:
             replay_figure(w.figure_path("fig13_replay.png"), res)
     return Path(out)
@@ -235,3 +251,44 @@ def print_replay(res: dict, console=None) -> None:
     for r in rows:
         t.add_row(*r)
     con.print(t)
+
+
+def moe_time_rows(res: dict) -> list[dict]:
+    """One row per (policy, batch size) of a measured replay: MoE ms per step (mean, 95% interval), charged
+    experts per step, the cost model's prediction, and the difference to the best load balancer."""
+    vs = {(d["policy"], d["batch_size"]): d for d in res.get("measured_vs_best_lb", [])}
+    out = []
+    for r in res["results"]:
+        m = r.get("measured")
+        if m is None:
+            continue
+        d = vs.get((r["policy"], r["batch_size"]), {})
+        out.append({"policy": r["policy"], "batch_size": r["batch_size"], "steps_timed": m["steps_timed"],
+                    "mean_batch": m["mean_batch"], "active_per_step": m["active_per_step"], "moe_ms": m["moe_ms"],
+                    "moe_ms_lo": m["moe_ms_ci95"][0], "moe_ms_hi": m["moe_ms_ci95"][1],
+                    "pred_step_ms": m.get("pred_step_ms"), "pred_expert_ms": m.get("pred_expert_ms"),
+                    "best_lb": d.get("best_lb"), "delta_ms": d.get("delta_ms"),
+                    "delta_lo": (d.get("delta_ci95") or [None, None])[0],
+                    "delta_hi": (d.get("delta_ci95") or [None, None])[1],
+                    "pred_delta_expert_ms": d.get("pred_delta_expert_ms")})
+    return out
+
+
+def print_measured(res: dict, console=None) -> None:
+    """The measured replay's table: MoE ms per step per policy, its interval, the cost model's prediction."""
+    from eldr_cli.console import console as default
+    from eldr_cli.console import table
+
+    con = console or default
+    f = res["measured"]
+    t = table("policy", "B", "steps", "experts/step", "MoE ms/step [95%]", "vs best LB ms [95%]", "predicted",
+              title=f"{f['label']} MoE time per decode step: {f['model']} TP{f['tp']} {f['dtype']} on {f['device']}")
+    for r in moe_time_rows(res):
+        vs = "-" if r["delta_ms"] is None else f"{r['delta_ms']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}]"
+        pred = "-" if r["pred_delta_expert_ms"] is None else f"{r['pred_delta_expert_ms']:+.3f}"
+        t.add_row(r["policy"], str(r["batch_size"]), str(r["steps_timed"]), f"{r['active_per_step']:.0f}",
+                  f"{r['moe_ms']:.3f} [{r['moe_ms_lo']:.3f}, {r['moe_ms_hi']:.3f}]", vs, pred)
+    con.print(t)
+    con.print(f"timed: {f['timed']}; {f['what']}. 'predicted': the cost model's per-expert term for the same steps, "
+              "minus the best load balancer's" if f.get("cost_model") else
+              f"timed: {f['timed']}; {f['what']}; no --cost-model: no prediction beside it")
