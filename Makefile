@@ -19,7 +19,7 @@ TRACE ?= $(ART)/trace
 help:
 	@echo "make demo      set up .venv and run the whole pipeline on the embedded default"
 	@echo "make lint      ruff + mypy (config in pyproject.toml)"
-	@echo "make test      lint, then the fast tests, the fit reference under two BLAS kernels, then the slow and vLLM ones"
+	@echo "make test      lint, then the fast tests, the fit reference under two BLAS kernels, the slow and vLLM ones, then Dynamo's"
 	@echo "make fit       fit-idf -> select-layers -> cluster on TRACE=$(TRACE) (redoes only stale stages)"
 	@echo "make place     per-decoder EP expert placement (EP_SIZE=$(EP_SIZE), BATCH=$(BATCH)) from the fit; place-eval replays it"
 	@echo "make bench-*   benchmarks (bench-fit, ...): print a table, write figures to bench-results/"
@@ -57,7 +57,7 @@ deps-system:
 	fi
 
 # fast tests first: a broken build fails in a minute, not after the vLLM tests
-test: lint deps-system test-fast test-kernels test-slow
+test: lint deps-system test-fast test-kernels test-slow test-dynamo
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm"
@@ -69,11 +69,11 @@ test-kernels: venv
 	env -u OPENBLAS_CORETYPE $(BIN)/python -m pytest -q tests/test_fit_reference.py
 
 test-slow: venv deps-chromium
-	$(BIN)/python -m pytest -q -m "slow or vllm"
+	$(BIN)/python -m pytest -q -m "(slow or vllm) and not dynamo"
 
 # NVIDIA Dynamo's environment, separate from .venv (ai-dynamo-runtime pins pydantic<=2.13.5, below
 # requirements.lock's): `make test-dynamo` runs eldr's decode router inside a real Dynamo deployment on this
-# machine (Dynamo's frontend, file discovery, stub workers on its runtime; docs/dynamo.md). Not part of `make test`.
+# machine (Dynamo's frontend, file discovery, stub workers on its runtime; docs/dynamo.md); `make test` runs it last.
 DYN_VENV := .venv-dynamo
 DYN_STAMP := $(DYN_VENV)/.installed-$(shell cat requirements-dynamo.lock pyproject.toml | sha256sum | cut -c1-12)
 .PHONY: venv-dynamo test-dynamo
