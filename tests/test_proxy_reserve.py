@@ -256,10 +256,10 @@ def test_eldr_live_replicas_see_each_others_live_sets(redis, tmp_path):
                 lines = r.iter_lines()
                 next(lines)
                 stack.callback(lines.close)
-            assert pa.counts.sum() == 3
-            assert _until(lambda: (pb.remote == pa.counts).all() and (pb.counts + pb.remote).sum() == 3, 3), \
-                (pb.remote, pa.counts)
-        assert _until(lambda: not pb.remote.any(), 5)  # finished requests leave the others' view too
+            assert pa.live.counts.sum() == 3
+            assert _until(lambda: (pb.live.remote == pa.live.counts).all()
+                          and (pb.live.counts + pb.live.remote).sum() == 3, 3), (pb.live.remote, pa.live.counts)
+        assert _until(lambda: not pb.live.remote.any(), 5)  # finished requests leave the others' view too
     finally:
         for _, s in reps:
             s.stop()

@@ -382,7 +382,7 @@ def test_proxy_refuses_a_cost_model_of_another_model(routing3, tmp_path):
     with pytest.raises(EldrError, match=r"Qwen3-30B-A3B \(L=48, E=128\).*L=4, E=16"):
         create_app(cfg)
     # a decode step measured on a GPU describes one model too
-    from eldr_cli.costmodel.decode_step import run_decode_step_from_measured
+    from eldr_cli.costmodel.measured_step import run_decode_step_from_measured
 
     run_decode_step_from_measured(tmp_path / "step", device="H100-SXM")
     cfg = build_config(None, routing=str(routing3), policy="eldr-live", cost_model=str(tmp_path / "step"),
