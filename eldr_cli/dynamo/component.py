@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from eldr_cli.dynamo.router import InstanceRouter, NoDecodeInstance
-from eldr_cli.dynamo.shared import release, reserve
 from eldr_cli.errors import EldrError
 
 log = logging.getLogger("eldr.dynamo")
@@ -35,6 +34,8 @@ class ComponentConfig:
     endpoint: str = "dynamo.eldr.generate"               # where this router serves (the frontend's namespace)
     decode_endpoint: str = "eldr-decode.backend.generate"  # the real decode workers
     wait_s: float = 30.0                 # how long a request waits for a first decode instance
+    metrics_host: str = "127.0.0.1"      # where GET /metrics listens (the proxy's Prometheus metrics) ...
+    metrics_port: int | None = None      # ... on this port (None: not served; 0: any free port)
 
 
 def check_endpoint(path: str, flag: str) -> str:
@@ -69,35 +70,41 @@ class DecodeHandler:
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[Any]:
         rid = _request_id(context)
-        await self._instances()
-        choice = self.router.choose(request, rid, record=False)
-        slot = None
         try:
-            slot = await reserve(self.router, choice)  # several replicas: one atomic slot in Redis
-            self.router.record(choice)
+            await self._instances()
+        except NoDecodeInstance:
+            self.router.outcome("unavailable")
+            raise
+        f = await self.router.choose(request, rid)  # the proxy's dispatcher: decided, held, reserved, recorded
+        outcome = "cancelled"
+        try:
             tried: set[int] = set()
             while True:
-                tried.add(choice.instance_id)
+                iid = f.instance_id
+                assert iid is not None
+                tried.add(iid)
                 started = False
                 try:
-                    stream = await self.client.direct(request, choice.instance_id, context=context)
+                    stream = await self.client.direct(request, iid, context=context)
                     async for out in stream:
                         started = True
                         yield out.data() if hasattr(out, "data") else out
+                    outcome = "ok"
                     return
                 except Exception as e:  # an instance that left between the decision and the send: once elsewhere
-                    if started or len(tried) > 1 or (context is not None and context.is_stopped()):
+                    stopped = context is not None and context.is_stopped()
+                    outcome = "cancelled" if stopped else "stream_error" if started else "upstream_error"
+                    if started or len(tried) > 1 or stopped:
                         raise
-                    log.warning("decode instance %s failed before streaming (%s); deciding again",
-                                choice.instance_id, e)
-                    release(self.router, slot)
-                    slot = None
-                    self.failed[choice.instance_id] = time.monotonic()
+                    log.warning("decode instance %s failed before streaming (%s); deciding again", iid, e)
+                    self.router.metrics.child(self.router.metrics.upstream_errors, "decode", str(iid),
+                                              "connect").inc()
+                    self.failed[iid] = time.monotonic()
                     self.router.sync(self._listed())
-                    choice = self.router.again(choice, tried)
+                    self.router.again(f, tried)
         finally:
-            release(self.router, slot)
-            self.router.finish(choice)
+            self.router.outcome(outcome)
+            self.router.finish(f)
 
     async def stats(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
         yield self.router.stats()
@@ -120,6 +127,12 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
         raise EldrError(f"--decode-endpoint {cfg.decode_endpoint} is in the router's namespace {ns!r}: the "
                         "frontend would route to the decode workers directly, around eldr",
                         hint="run the decode workers in their own namespace (e.g. eldr-decode.backend.generate)")
+    metrics = None
+    if cfg.metrics_port is not None:  # first: a port that cannot be listened on fails before anything registers
+        from eldr_cli.dynamo.metrics_http import serve_metrics
+
+        metrics = await serve_metrics(router.metrics.render, cfg.metrics_host, cfg.metrics_port)
+        log.info("metrics at http://%s:%d/metrics", cfg.metrics_host, metrics.sockets[0].getsockname()[1])
     client = await runtime.endpoint(cfg.decode_endpoint).client()
     endpoint = runtime.endpoint(cfg.endpoint)
     stats_ep = runtime.endpoint(f"{ns}.{comp}.stats")
@@ -138,15 +151,17 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
             stats_ep.serve_endpoint(handler.stats, graceful_shutdown=False))
     finally:
         flusher.cancel()
+        if metrics is not None:
+            metrics.close()
         await router.shared.stop()
 
 
 async def _flush_every(router: InstanceRouter, period_s: float) -> None:
-    """The recorder's rows reach their file within ``period_s`` (the decision log writes on its own thread)."""
-    flush = getattr(router.recorder, "flush", None)
-    while flush is not None:
+    """The decision log's rows reach their file within ``period_s`` (it writes on its own thread)."""
+    dlog = router.log
+    while dlog is not None:
         await asyncio.sleep(period_s)
-        await asyncio.to_thread(flush)
+        await asyncio.to_thread(dlog.flush)
 
 
 def run(cfg: ComponentConfig, router: InstanceRouter, discovery: str = "etcd", request_plane: str = "tcp") -> None:

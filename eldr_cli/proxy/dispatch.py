@@ -213,7 +213,7 @@ class Dispatcher:
         self.router.on_dispatch(choice, ctx.rid)
         w = self.pool.workers[choice.worker]
         w.inflight += 1
-        ctx.decode_index, ctx.held = choice.worker, w
+        ctx.decode_index, ctx.held, ctx.choice = choice.worker, w, choice
         self.shared.note_change()
 
     def release(self, ctx: RequestContext) -> None:
@@ -222,7 +222,7 @@ class Dispatcher:
             return
         self.router.on_finish(ctx.decode_index, ctx.rid)
         ctx.held.inflight -= 1
-        ctx.held, ctx.decode_index = None, None
+        ctx.held, ctx.decode_index, ctx.choice = None, None, None
         self.shared.note_change()
 
     def finish(self, rid: str) -> None:

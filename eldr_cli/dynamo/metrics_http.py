@@ -1,0 +1,42 @@
+"""``GET /metrics`` of the Dynamo router component: the proxy's Prometheus metrics (``eldr_proxy_*``), served on
+the component's event loop (the collectors read the router's state between two of its steps, never during one).
+The rest of HTTP is Dynamo's frontend's; this answers ``/metrics`` and 404 to anything else."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from eldr_cli.errors import EldrError
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+READ_S = 10.0  # a scraper that sends no request line and headers within this is dropped
+
+
+async def serve_metrics(render: Callable[[], bytes], host: str, port: int) -> asyncio.Server:
+    """Listen on ``host:port`` (port 0: any free one, read it from the server's sockets) and answer
+    ``GET /metrics`` with ``render()``. A port that cannot be listened on is one EldrError naming it."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), READ_S)
+            while (await asyncio.wait_for(reader.readline(), READ_S)) not in (b"\r\n", b"\n", b""):
+                pass  # the headers: nothing in them changes the answer
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == b"GET" and parts[1].split(b"?")[0] == b"/metrics":
+                status, body, ctype = b"200 OK", render(), CONTENT_TYPE
+            else:
+                status, body, ctype = b"404 Not Found", b"only GET /metrics is served here\n", b"text/plain"
+            writer.write(b"HTTP/1.1 %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                         % (status, ctype, len(body)) + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    try:
+        return await asyncio.start_server(handle, host, port)
+    except OSError as e:
+        raise EldrError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror or e})",
+                        hint="choose a free port (or 0 for any)") from None
