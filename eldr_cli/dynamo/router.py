@@ -109,7 +109,8 @@ class InstanceRouter:
             check_policy(name, servable=True)
         self.model, self.cost, self.tau_override, self.seed = model, cost, tau, seed
         self.routing_path: str | None = None
-        self.router: DecodeRouter = self.make(policy, 1, model, tau)  # fails here if its artifact cannot serve it
+        # fails here if its artifact cannot serve it (over as many instances as the artifact has centroids: eldr)
+        self.router: DecodeRouter = self.make(policy, model.n_clusters if model is not None else 1, model, tau)
         self.shared: LocalState = shared if shared is not None else LocalState()
         self.prefill, self.decode = WorkerPool("prefill", []), WorkerPool("decode", [])
         self.instances: list[int] = []
