@@ -6,8 +6,9 @@ namespace (``--decode-endpoint``, e.g. a vLLM worker started with ``--endpoint e
 which the frontend does not watch, so every decode request reaches this component. For each one it follows the
 decode instances discovered there (``Client.instance_ids``), lets :class:`~eldr_cli.dynamo.router.InstanceRouter`
 choose, sends the request to that instance with ``Client.direct`` (the frontend's context passed on, so a client
-that goes away cancels the decode) and streams its answer back. A ``stats`` endpoint beside it answers the
-router's counters.
+that goes away cancels the decode) and streams its answer back. The hand-off itself (decide, hold, reserve,
+record, shadows) is the proxy's dispatcher's. A ``stats`` endpoint beside it answers the router's counters, and
+``--metrics-port`` serves the proxy's Prometheus metrics at ``GET /metrics`` (:mod:`eldr_cli.dynamo.metrics_http`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def check_endpoint(path: str, flag: str) -> str:
 
 
 class DecodeHandler:
-    """The decode endpoint's handler: choose, send with ``Client.direct``, stream back, finish."""
+    """The decode endpoint's handler: choose (the dispatcher), send with ``Client.direct``, stream back, finish."""
 
     def __init__(self, router: InstanceRouter, client: Any, wait_s: float):
         self.router, self.client, self.wait_s = router, client, wait_s
