@@ -240,13 +240,14 @@ def _metric(text: str, name: str, **labels: str) -> float:
 def test_metrics_are_served_and_count_decisions_per_instance(model):
     import httpx
 
-    from eldr_cli.dynamo.metrics_http import serve_metrics
+    from eldr_cli.dynamo.metrics_http import bind_metrics, serve_metrics
 
     async def run() -> tuple[str, list[Flight], int]:
         r = InstanceRouter("eldr-live", model=model)
         r.sync(IDS)
-        server = await serve_metrics(r.metrics.render, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+        sock = bind_metrics("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        server = await serve_metrics(r.metrics.render, sock)
         try:
             chs = [await r.choose(request(f"prompt {i} " * (i + 1)), f"r{i}") for i in range(9)]
             r.finish(chs[0])
@@ -268,6 +269,17 @@ def test_metrics_are_served_and_count_decisions_per_instance(model):
     assert _metric(text, "eldr_proxy_decision_seconds_count", policy="eldr-live") == 9
     assert _metric(text, "eldr_proxy_requests_in_progress") == 8
     assert _metric(text, "eldr_proxy_policy_info", policy="eldr-live", tau=f"{model.tau:g}") == 1
+
+
+def test_a_metrics_port_in_use_is_one_clear_error():
+    from eldr_cli.dynamo.metrics_http import bind_metrics
+
+    sock = bind_metrics("127.0.0.1", 0)
+    try:
+        with pytest.raises(EldrError, match=r"--metrics-port \d+: cannot listen on 127.0.0.1"):
+            bind_metrics("127.0.0.1", sock.getsockname()[1])
+    finally:
+        sock.close()
 
 
 def test_a_shadow_policys_choices_are_in_the_decision_log_rows(model, tmp_path):

@@ -74,14 +74,26 @@ def serve_dynamo_cmd(
         raise EldrError(f"--metrics-port {metrics_port} must be in 0..65535")
     shared = make_state(state, key_file=state_key_file, password_file=state_password_file, ca_file=state_ca_file,
                         prefix=state_prefix, reserve_ms=state_reserve_ms)
-    router = _router(routing, policy, cost_model, tau, seed, shared, shadow, decision_log)  # the log opens last
+    sock = None
+    if metrics_port is not None:  # bound now: a port in use fails before the decision log or the runtime start
+        from eldr_cli.dynamo.metrics_http import bind_metrics
+
+        sock = bind_metrics(metrics_host, metrics_port)
+    try:
+        router = _router(routing, policy, cost_model, tau, seed, shared, shadow, decision_log)  # the log: last
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s, metrics_host, metrics_port)
+    cfg = ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s, sock)
     try:
         run(cfg, router, discovery_backend, request_plane)
     finally:
         if router.log is not None:
             router.log.close()
+        if sock is not None:
+            sock.close()
 
 
 def _check_choices(discovery_backend: str, request_plane: str, log_level: str, endpoint: str,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,8 +36,7 @@ class ComponentConfig:
     endpoint: str = "dynamo.eldr.generate"               # where this router serves (the frontend's namespace)
     decode_endpoint: str = "eldr-decode.backend.generate"  # the real decode workers
     wait_s: float = 30.0                 # how long a request waits for a first decode instance
-    metrics_host: str = "127.0.0.1"      # where GET /metrics listens (the proxy's Prometheus metrics) ...
-    metrics_port: int | None = None      # ... on this port (None: not served; 0: any free port)
+    metrics: socket.socket | None = None  # GET /metrics (the proxy's Prometheus metrics) listens here (None: off)
 
 
 def check_endpoint(path: str, flag: str) -> str:
@@ -129,11 +129,11 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
                         "frontend would route to the decode workers directly, around eldr",
                         hint="run the decode workers in their own namespace (e.g. eldr-decode.backend.generate)")
     metrics = None
-    if cfg.metrics_port is not None:  # first: a port that cannot be listened on fails before anything registers
+    if cfg.metrics is not None:
         from eldr_cli.dynamo.metrics_http import serve_metrics
 
-        metrics = await serve_metrics(router.metrics.render, cfg.metrics_host, cfg.metrics_port)
-        log.info("metrics at http://%s:%d/metrics", cfg.metrics_host, metrics.sockets[0].getsockname()[1])
+        metrics = await serve_metrics(router.metrics.render, cfg.metrics)
+        log.info("metrics at http://%s:%d/metrics", *cfg.metrics.getsockname()[:2])
     client = await runtime.endpoint(cfg.decode_endpoint).client()
     endpoint = runtime.endpoint(cfg.endpoint)
     stats_ep = runtime.endpoint(f"{ns}.{comp}.stats")

@@ -5,6 +5,7 @@ The rest of HTTP is Dynamo's frontend's; this answers ``/metrics`` and 404 to an
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 from eldr_cli.errors import EldrError
@@ -13,9 +14,30 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 READ_S = 10.0  # a scraper that sends no request line and headers within this is dropped
 
 
-async def serve_metrics(render: Callable[[], bytes], host: str, port: int) -> asyncio.Server:
-    """Listen on ``host:port`` (port 0: any free one, read it from the server's sockets) and answer
-    ``GET /metrics`` with ``render()``. A port that cannot be listened on is one EldrError naming it."""
+def bind_metrics(host: str, port: int) -> socket.socket:
+    """The listening socket of ``GET /metrics`` on ``host:port`` (0: any free port), bound before anything else
+    starts (the decision log, the runtime), so that a port that cannot be listened on is one EldrError naming
+    it and nothing is left behind."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise EldrError(f"--metrics-host {host!r}: not an address to listen on ({e.strerror or e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(64)
+    except OSError as e:
+        sock.close()
+        raise EldrError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror or e})",
+                        hint="choose a free port (or 0 for any)") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_metrics(render: Callable[[], bytes], sock: socket.socket) -> asyncio.Server:
+    """Answer ``GET /metrics`` with ``render()`` on the listening socket ``sock`` (:func:`bind_metrics`)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -35,8 +57,4 @@ async def serve_metrics(render: Callable[[], bytes], host: str, port: int) -> as
         finally:
             writer.close()
 
-    try:
-        return await asyncio.start_server(handle, host, port)
-    except OSError as e:
-        raise EldrError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror or e})",
-                        hint="choose a free port (or 0 for any)") from None
+    return await asyncio.start_server(handle, sock=sock)
