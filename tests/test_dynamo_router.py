@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+import jsonschema
 import numpy as np
 import pytest
 from _proxy_util import build_routing
 
+from eldr_cli.artifacts.schema import load_schema
 from eldr_cli.dynamo.router import Flight, InstanceRouter, NoDecodeInstance, proxy_shapes
 from eldr_cli.errors import EldrError
 from eldr_cli.handoff import SIGNATURE_KEY, encode_counts
-from eldr_cli.proxy.decisionlog import DecisionLog
+from eldr_cli.proxy.decisionlog import ROW_SCHEMA, DecisionLog
 from eldr_cli.proxy.request import context_tokens
 from eldr_cli.routing import RoutingModel, make_router
 from eldr_cli.testing.stub_worker import fake_counts
@@ -301,6 +303,9 @@ def test_a_shadow_policys_choices_are_in_the_decision_log_rows(model, tmp_path):
     log.close()
     rows = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert [x["request_id"] for x in rows] == [c.rid for c in chs] and all(x["policy"] == "jsq" for x in rows)
+    schema = jsonschema.Draft202012Validator(load_schema(ROW_SCHEMA))  # what `eldr report --decision-log` reads
+    for row in rows:
+        schema.validate(row)
     # the shadow decided each request on its own counterfactual state: the same router fed the same requests
     ref = make_router("eldr-live", 3, model=model)
     loads = [0, 0, 0]

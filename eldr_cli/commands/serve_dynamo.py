@@ -62,6 +62,7 @@ def serve_dynamo_cmd(
     import logging
 
     from eldr_cli.dynamo.component import ComponentConfig, run
+    from eldr_cli.dynamo.metrics_http import bind_metrics
     from eldr_cli.dynamo.shared import make_state
     from eldr_cli.errors import EldrError
     from eldr_cli.proxy.config import refuse_command_line_secrets
@@ -70,28 +71,20 @@ def serve_dynamo_cmd(
     refuse_command_line_secrets(None, state)
     if state_reserve_ms < 0:
         raise EldrError(f"--state-reserve-ms {state_reserve_ms:g} must be >= 0")
-    if metrics_port is not None and not 0 <= metrics_port <= 65535:
-        raise EldrError(f"--metrics-port {metrics_port} must be in 0..65535")
     shared = make_state(state, key_file=state_key_file, password_file=state_password_file, ca_file=state_ca_file,
                         prefix=state_prefix, reserve_ms=state_reserve_ms)
-    sock = None
-    if metrics_port is not None:  # bound now: a port in use fails before the decision log or the runtime start
-        from eldr_cli.dynamo.metrics_http import bind_metrics
-
-        sock = bind_metrics(metrics_host, metrics_port)
+    # GET /metrics bound now: a port in use fails before the decision log or the runtime start
+    sock = bind_metrics(metrics_host, metrics_port) if metrics_port is not None else None
     try:
         router = _router(routing, policy, cost_model, tau, seed, shared, shadow, decision_log)  # the log: last
-    except BaseException:
-        if sock is not None:
-            sock.close()
-        raise
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s, sock)
-    try:
-        run(cfg, router, discovery_backend, request_plane)
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            run(ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s, sock), router,
+                discovery_backend, request_plane)
+        finally:
+            if router.log is not None:
+                router.log.close()
     finally:
-        if router.log is not None:
-            router.log.close()
         if sock is not None:
             sock.close()
 

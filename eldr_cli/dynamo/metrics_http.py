@@ -18,6 +18,8 @@ def bind_metrics(host: str, port: int) -> socket.socket:
     """The listening socket of ``GET /metrics`` on ``host:port`` (0: any free port), bound before anything else
     starts (the decision log, the runtime), so that a port that cannot be listened on is one EldrError naming
     it and nothing is left behind."""
+    if not 0 <= port <= 65535:
+        raise EldrError(f"--metrics-port {port} must be in 0..65535")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, addr = infos[0]
