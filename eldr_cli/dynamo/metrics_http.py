@@ -16,24 +16,14 @@ READ_S = 10.0  # a scraper that sends no request line and headers within this is
 
 def bind_metrics(host: str, port: int) -> socket.socket:
     """The listening socket of ``GET /metrics`` on ``host:port`` (0: any free port), bound before anything else
-    starts (the decision log, the runtime), so that a port that cannot be listened on is one EldrError naming
-    it and nothing is left behind."""
+    starts (the decision log, the runtime) as ``serve-proxy`` binds its own: a port that cannot be listened on is
+    one EldrError naming it, and nothing is left behind."""
+    from eldr_cli.proxy.server import bind_socket
+
     if not 0 <= port <= 65535:
         raise EldrError(f"--metrics-port {port} must be in 0..65535")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = infos[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as e:
-        raise EldrError(f"--metrics-host {host!r}: not an address to listen on ({e.strerror or e})") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(64)
-    except OSError as e:
-        sock.close()
-        raise EldrError(f"--metrics-port {port}: cannot listen on {host}:{port} ({e.strerror or e})",
-                        hint="choose a free port (or 0 for any)") from None
+    sock = bind_socket(host, port, flags=("--metrics-host", "--metrics-port"))
+    sock.listen(64)
     sock.setblocking(False)
     return sock
 
