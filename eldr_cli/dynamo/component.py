@@ -73,10 +73,10 @@ class DecodeHandler:
         rid = _request_id(context)
         try:
             await self._instances()
+            f = await self.router.choose(request, rid)  # the proxy's dispatcher: decided, held, reserved, recorded
         except NoDecodeInstance:
             self.router.outcome("unavailable")
             raise
-        f = await self.router.choose(request, rid)  # the proxy's dispatcher: decided, held, reserved, recorded
         outcome = "cancelled"
         try:
             tried: set[int] = set()
