@@ -4,6 +4,7 @@ official openai client. Skipped, saying why, without ``.venv-dynamo`` (``make ve
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -28,7 +29,12 @@ def routing(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(routing, tmp_path_factory):
-    c = DynamoCluster(tmp_path_factory.mktemp("dynamo"), routing=routing, n_decode=3, delay_ms=10)
+    from eldr_cli.testing.ports import free_port
+
+    port = free_port()  # the router's /metrics; a shadow policy beside eldr-live in its decision log
+    c = DynamoCluster(tmp_path_factory.mktemp("dynamo"), routing=routing, n_decode=3, delay_ms=10,
+                      router_args=("--metrics-port", str(port), "--shadow", "jsq"))
+    c.metrics_url = f"http://127.0.0.1:{port}/metrics"
     try:
         c.wait_ready()
         yield c
@@ -70,10 +76,33 @@ def test_streams_reach_the_instance_eldr_live_chose(cluster, routing):
         seen = at_worker[row["request_id"]]
         req = {"token_ids": seen["token_ids"], "stop_conditions": {"max_tokens": seen["max_tokens"]},
                "prefill_result": prefill_answer(seen["token_ids"], (4, 16))}
-        ch = ref.choose(req, row["request_id"])
+        ch = asyncio.run(ref.choose(req, row["request_id"]))
         assert str(ch.instance_id) == row["worker"] and ch.signature == row["signature"]
-        assert row["predicted_ms"] == pytest.approx([round(float(x), 4) for x in ch.decision.predicted_ms])
+        assert row["predicted_ms"] == pytest.approx([round(float(x), 4) for x in ch.record.decision.predicted_ms])
         ref.finish(ch)
+
+
+def test_metrics_count_decisions_per_instance_and_the_shadow_is_in_the_rows(cluster):
+    """`--metrics-port`: the proxy's Prometheus metrics, one decision series per Dynamo instance, agreeing with
+    the decision log; `--shadow jsq`: its choice beside eldr-live's in every row."""
+    import httpx
+
+    oa = client(cluster)
+    for p in PROMPTS[:4]:
+        assert len(oa.completions.create(model=MODEL, prompt=p, max_tokens=2).choices[0].text.split()) == 2
+    text = httpx.get(cluster.metrics_url, timeout=10).text
+    count = 'eldr_proxy_decision_seconds_count{policy="eldr-live"} '
+    decided = int(float(next(x for x in text.splitlines() if x.startswith(count)).split()[-1]))
+    rows = cluster.decisions(at_least=decided)  # the log's rows reach the file within a second
+    for iid in cluster.stats()[0]["instances"]:
+        n = sum(r["worker"] == iid for r in rows)
+        assert f'eldr_proxy_decisions_total{{policy="eldr-live",worker="{iid}"}} {float(n)}' in text
+    assert f'eldr_proxy_decision_seconds_count{{policy="eldr-live"}} {float(len(rows))}' in text
+    assert 'eldr_proxy_requests_total{endpoint="generate",outcome="ok"}' in text
+    for r in rows:
+        sh = r["shadow"]["jsq"]
+        assert 0 <= sh["chosen"] < len(r["loads"]) and sh["agree"] == (sh["chosen"] == r["chosen"])
+    assert f'eldr_proxy_shadow_decisions_total{{shadow="jsq"}} {float(len(rows))}' in text
 
 
 def test_chat_streams_through_the_openai_client(cluster):

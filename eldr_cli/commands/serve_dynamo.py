@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -29,6 +29,12 @@ def serve_dynamo_cmd(
                                         help="NAMESPACE.COMPONENT.ENDPOINT of the real decode workers (another "
                                              "namespace, which the frontend does not watch)."),
     decision_log: Optional[str] = typer.Option(None, "--decision-log", help="FILE.jsonl or FILE.parquet."),
+    shadow: List[str] = typer.Option([], "--shadow", help="A policy deciding beside --policy, logged only "
+                                                          "(repeatable; as serve-proxy --shadow)."),
+    metrics_port: Optional[int] = typer.Option(None, "--metrics-port",
+                                               help="Serve GET /metrics (the proxy's Prometheus metrics) on this "
+                                                    "port (0: any free port; default: not served)."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Address --metrics-port listens on."),
     discovery_backend: str = typer.Option("etcd", "--discovery-backend",
                                           help="Dynamo's discovery: etcd (ETCD_ENDPOINTS), kubernetes, file "
                                                "(DYN_FILE_KV) or mem; the frontend's and the workers' must match."),
@@ -56,6 +62,7 @@ def serve_dynamo_cmd(
     import logging
 
     from eldr_cli.dynamo.component import ComponentConfig, run
+    from eldr_cli.dynamo.metrics_http import bind_metrics
     from eldr_cli.dynamo.shared import make_state
     from eldr_cli.errors import EldrError
     from eldr_cli.proxy.config import refuse_command_line_secrets
@@ -66,15 +73,20 @@ def serve_dynamo_cmd(
         raise EldrError(f"--state-reserve-ms {state_reserve_ms:g} must be >= 0")
     shared = make_state(state, key_file=state_key_file, password_file=state_password_file, ca_file=state_ca_file,
                         prefix=state_prefix, reserve_ms=state_reserve_ms)
-    router = _router(routing, policy, cost_model, tau, seed, decision_log)  # opens the decision log: last
-    router.shared = shared
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s)
+    # GET /metrics bound now: a port in use fails before the decision log or the runtime start
+    sock = bind_metrics(metrics_host, metrics_port) if metrics_port is not None else None
     try:
-        run(cfg, router, discovery_backend, request_plane)
+        router = _router(routing, policy, cost_model, tau, seed, shared, shadow, decision_log)  # the log: last
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            run(ComponentConfig(model_path, model_name, endpoint, decode_endpoint, wait_s, sock), router,
+                discovery_backend, request_plane)
+        finally:
+            if router.log is not None:
+                router.log.close()
     finally:
-        if router.recorder is not None:
-            router.recorder.close()
+        if sock is not None:
+            sock.close()
 
 
 def _check_choices(discovery_backend: str, request_plane: str, log_level: str, endpoint: str,
@@ -93,13 +105,14 @@ def _check_choices(discovery_backend: str, request_plane: str, log_level: str, e
 
 
 def _router(routing: Optional[Path], policy: Optional[str], cost_model: Optional[Path], tau: Optional[float],
-            seed: int, decision_log: Optional[str]) -> Any:
-    """The InstanceRouter of these options (its routing artifact, cost model and policy checked first; the
-    decision log opened last)."""
-    from eldr_cli.dynamo.router import DecisionLogRecorder, InstanceRouter
+            seed: int, shared: Any, shadow: list[str], decision_log: Optional[str]) -> Any:
+    """The InstanceRouter of these options (its routing artifact, cost model, policy and shadows checked first;
+    the decision log opened last)."""
+    from eldr_cli.dynamo.router import InstanceRouter
     from eldr_cli.errors import EldrError
     from eldr_cli.proxy.base import default_policy, load_step_cost
     from eldr_cli.proxy.config import check_decision_log_path
+    from eldr_cli.proxy.decisionlog import DecisionLog
     from eldr_cli.routing import RoutingModel
 
     model = RoutingModel.load(routing) if routing else None
@@ -109,10 +122,11 @@ def _router(routing: Optional[Path], policy: Optional[str], cost_model: Optional
             raise EldrError("--routing is needed: the default policy eldr-live decides with a routing artifact",
                             hint="eldr fit writes one; or choose a load balancer with --policy (jsq, p2c, ...)")
         policy = default_policy(model, str(routing))
-    router = InstanceRouter(policy, model=model, cost=cost, tau=tau, seed=seed)
+    router = InstanceRouter(policy, model=model, cost=cost, tau=tau, seed=seed, shared=shared, shadows=shadow)
+    router.routing_path = str(routing) if routing else None
     if decision_log:
         check_decision_log_path(decision_log)
-        router.recorder = DecisionLogRecorder(decision_log)
+        router.attach_log(DecisionLog(decision_log))
     return router
 
 

@@ -6,8 +6,9 @@ namespace (``--decode-endpoint``, e.g. a vLLM worker started with ``--endpoint e
 which the frontend does not watch, so every decode request reaches this component. For each one it follows the
 decode instances discovered there (``Client.instance_ids``), lets :class:`~eldr_cli.dynamo.router.InstanceRouter`
 choose, sends the request to that instance with ``Client.direct`` (the frontend's context passed on, so a client
-that goes away cancels the decode) and streams its answer back. A ``stats`` endpoint beside it answers the
-router's counters.
+that goes away cancels the decode) and streams its answer back. The hand-off itself (decide, hold, reserve,
+record, shadows) is the proxy's dispatcher's. A ``stats`` endpoint beside it answers the router's counters, and
+``--metrics-port`` serves the proxy's Prometheus metrics at ``GET /metrics`` (:mod:`eldr_cli.dynamo.metrics_http`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from eldr_cli.dynamo.router import InstanceRouter, NoDecodeInstance
-from eldr_cli.dynamo.shared import release, reserve
 from eldr_cli.errors import EldrError
 
 log = logging.getLogger("eldr.dynamo")
@@ -35,6 +36,7 @@ class ComponentConfig:
     endpoint: str = "dynamo.eldr.generate"               # where this router serves (the frontend's namespace)
     decode_endpoint: str = "eldr-decode.backend.generate"  # the real decode workers
     wait_s: float = 30.0                 # how long a request waits for a first decode instance
+    metrics: socket.socket | None = None  # GET /metrics (the proxy's Prometheus metrics) listens here (None: off)
 
 
 def check_endpoint(path: str, flag: str) -> str:
@@ -45,7 +47,7 @@ def check_endpoint(path: str, flag: str) -> str:
 
 
 class DecodeHandler:
-    """The decode endpoint's handler: choose, send with ``Client.direct``, stream back, finish."""
+    """The decode endpoint's handler: choose (the dispatcher), send with ``Client.direct``, stream back, finish."""
 
     def __init__(self, router: InstanceRouter, client: Any, wait_s: float):
         self.router, self.client, self.wait_s = router, client, wait_s
@@ -69,35 +71,41 @@ class DecodeHandler:
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[Any]:
         rid = _request_id(context)
-        await self._instances()
-        choice = self.router.choose(request, rid, record=False)
-        slot = None
         try:
-            slot = await reserve(self.router, choice)  # several replicas: one atomic slot in Redis
-            self.router.record(choice)
+            await self._instances()
+            f = await self.router.choose(request, rid)  # the proxy's dispatcher: decided, held, reserved, recorded
+        except NoDecodeInstance:
+            self.router.outcome("unavailable")
+            raise
+        outcome = "cancelled"
+        try:
             tried: set[int] = set()
             while True:
-                tried.add(choice.instance_id)
+                iid = f.instance_id
+                assert iid is not None
+                tried.add(iid)
                 started = False
                 try:
-                    stream = await self.client.direct(request, choice.instance_id, context=context)
+                    stream = await self.client.direct(request, iid, context=context)
                     async for out in stream:
                         started = True
                         yield out.data() if hasattr(out, "data") else out
+                    outcome = "ok"
                     return
                 except Exception as e:  # an instance that left between the decision and the send: once elsewhere
-                    if started or len(tried) > 1 or (context is not None and context.is_stopped()):
+                    stopped = context is not None and context.is_stopped()
+                    outcome = "cancelled" if stopped else "stream_error" if started else "upstream_error"
+                    if started or len(tried) > 1 or stopped:
                         raise
-                    log.warning("decode instance %s failed before streaming (%s); deciding again",
-                                choice.instance_id, e)
-                    release(self.router, slot)
-                    slot = None
-                    self.failed[choice.instance_id] = time.monotonic()
+                    log.warning("decode instance %s failed before streaming (%s); deciding again", iid, e)
+                    self.router.metrics.child(self.router.metrics.upstream_errors, "decode", str(iid),
+                                              "connect").inc()
+                    self.failed[iid] = time.monotonic()
                     self.router.sync(self._listed())
-                    choice = self.router.again(choice, tried)
+                    self.router.again(f, tried)
         finally:
-            release(self.router, slot)
-            self.router.finish(choice)
+            self.router.outcome(outcome)
+            self.router.finish(f)
 
     async def stats(self, request: Any = None, context: Any = None) -> AsyncIterator[dict[str, Any]]:
         yield self.router.stats()
@@ -120,6 +128,12 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
         raise EldrError(f"--decode-endpoint {cfg.decode_endpoint} is in the router's namespace {ns!r}: the "
                         "frontend would route to the decode workers directly, around eldr",
                         hint="run the decode workers in their own namespace (e.g. eldr-decode.backend.generate)")
+    metrics = None
+    if cfg.metrics is not None:
+        from eldr_cli.dynamo.metrics_http import serve_metrics
+
+        metrics = await serve_metrics(router.metrics.render, cfg.metrics)
+        log.info("metrics at http://%s:%d/metrics", *cfg.metrics.getsockname()[:2])
     client = await runtime.endpoint(cfg.decode_endpoint).client()
     endpoint = runtime.endpoint(cfg.endpoint)
     stats_ep = runtime.endpoint(f"{ns}.{comp}.stats")
@@ -138,15 +152,17 @@ async def serve(runtime: Any, cfg: ComponentConfig, router: InstanceRouter) -> N
             stats_ep.serve_endpoint(handler.stats, graceful_shutdown=False))
     finally:
         flusher.cancel()
+        if metrics is not None:
+            metrics.close()
         await router.shared.stop()
 
 
 async def _flush_every(router: InstanceRouter, period_s: float) -> None:
-    """The recorder's rows reach their file within ``period_s`` (the decision log writes on its own thread)."""
-    flush = getattr(router.recorder, "flush", None)
-    while flush is not None:
+    """The decision log's rows reach their file within ``period_s`` (it writes on its own thread)."""
+    dlog = router.log
+    while dlog is not None:
         await asyncio.sleep(period_s)
-        await asyncio.to_thread(flush)
+        await asyncio.to_thread(dlog.flush)
 
 
 def run(cfg: ComponentConfig, router: InstanceRouter, discovery: str = "etcd", request_plane: str = "tcp") -> None:

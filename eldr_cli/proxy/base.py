@@ -4,7 +4,7 @@ The app's attributes the exchange, admin and health mixins use are declared in :
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from eldr_cli.proxy.config import ProxyConfig
 from eldr_cli.proxy.replicas.conn import parse_state_url
@@ -12,6 +12,35 @@ from eldr_cli.proxy.replicas.shared import LocalState, RedisState
 from eldr_cli.proxy.workers import WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 from eldr_cli.routing.prefill import PrefixHashPrefill
+
+
+class RouterState(Protocol):
+    """What the metrics (:mod:`eldr_cli.proxy.metrics`) and the shadow policies (:mod:`eldr_cli.proxy.shadow`) read
+    of a router's state: :class:`ProxyState`, or the Dynamo router's (:class:`eldr_cli.dynamo.router.InstanceRouter`,
+    whose decode pool is Dynamo's instances)."""
+
+    @property
+    def prefill(self) -> WorkerPool: ...
+    @property
+    def decode(self) -> WorkerPool: ...
+    @property
+    def router(self) -> DecodeRouter: ...
+    @property
+    def model(self) -> RoutingModel | None: ...
+    @property
+    def cost(self) -> Any: ...
+    @property
+    def tau_override(self) -> float | None: ...
+    @property
+    def in_progress(self) -> int: ...
+    @property
+    def shared(self) -> LocalState: ...
+    @property
+    def policy_name(self) -> str: ...
+
+    def tau_effective(self) -> float: ...
+
+    def make(self, name: str, n: int, model: RoutingModel | None, tau: float | None) -> DecodeRouter: ...
 
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:

@@ -9,7 +9,10 @@ returning a :class:`DecisionRecord`, the decision as followed, whose :meth:`Deci
 row (``manifests/decision-log.v2.schema.json``, what `eldr report --decision-log` reads). The HTTP legs around
 it are :mod:`eldr_cli.proxy.exchange`'s. The app builds one dispatcher at start and a new one on every admin swap
 (policy, tau, routing artifact, decode pool); a request keeps the one it started with, so a swap mid-request does
-not split one request's dispatch and finish.
+not split one request's dispatch and finish. ``eldr serve-dynamo`` runs the same object over Dynamo's decode
+instances (:mod:`eldr_cli.dynamo.router`); there the instances change without an admin, and the requests in flight
+move into the new router (the decision each is held on: ``RequestContext.choice``), which is swapped into the one
+dispatcher in place.
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ class Dispatcher:
         self.router.on_dispatch(choice, ctx.rid)
         w = self.pool.workers[choice.worker]
         w.inflight += 1
-        ctx.decode_index, ctx.held = choice.worker, w
+        ctx.decode_index, ctx.held, ctx.choice = choice.worker, w, choice
         self.shared.note_change()
 
     def release(self, ctx: RequestContext) -> None:
@@ -222,7 +225,7 @@ class Dispatcher:
             return
         self.router.on_finish(ctx.decode_index, ctx.rid)
         ctx.held.inflight -= 1
-        ctx.held, ctx.decode_index = None, None
+        ctx.held, ctx.decode_index, ctx.choice = None, None, None
         self.shared.note_change()
 
     def finish(self, rid: str) -> None:

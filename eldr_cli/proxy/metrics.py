@@ -13,7 +13,7 @@ from eldr_cli.proxy.replicas.auth import REASONS
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.proxy.base import RouterState
 
 OUTCOMES = ("ok", "bad_request", "too_large", "upstream_error", "stream_error", "cancelled", "unavailable")
 
@@ -21,7 +21,7 @@ OUTCOMES = ("ok", "bad_request", "too_large", "upstream_error", "stream_error", 
 class _LiveCollector:
     """Gauges read from the live proxy state at scrape time (in-flight, health, in-progress)."""
 
-    def __init__(self, state: ProxyState):
+    def __init__(self, state: RouterState):
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -50,7 +50,7 @@ class _LiveCollector:
         yield p
         yield from self._shared(st)
 
-    def _shared(self, st: ProxyState) -> Iterator[Metric]:
+    def _shared(self, st: RouterState) -> Iterator[Metric]:
         """Cluster-wide view and the health of the shared state (replicas over Redis)."""
         sh = st.shared
         cluster = GaugeMetricFamily("eldr_proxy_cluster_inflight",
@@ -88,7 +88,7 @@ class _LiveCollector:
 
 
 class ProxyMetrics:
-    def __init__(self, state: ProxyState):
+    def __init__(self, state: RouterState):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("eldr_proxy_requests", "Client requests by endpoint and terminal outcome",
                                 ["endpoint", "outcome"], registry=r)

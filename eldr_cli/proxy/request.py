@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from eldr_cli.proxy.replicas.reserve import Slot
 from eldr_cli.proxy.workers import Worker
+
+if TYPE_CHECKING:
+    from eldr_cli.routing import Decision
 
 PREFILL_KTP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -32,6 +35,7 @@ class RequestContext:
     reserved: Slot | None = None       # the decode slot reserved in the shared state
     decode_index: int | None = None    # the decoder the router's live set holds the request on ...
     held: Worker | None = None         # ... and whose in-flight count holds it
+    choice: Decision | None = None     # the decision it is held on (a router rebuilt over a new pool takes it again)
 
 
 def context_tokens(answer: dict[str, Any], body: dict[str, Any]) -> int | None:

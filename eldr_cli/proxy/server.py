@@ -59,13 +59,16 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning", a
                           server_header=False, date_header=False)
 
 
-def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool = False,
+                flags: tuple[str, str] = ("--host", "--port")) -> socket.socket:
     """The listening socket, bound before anything is printed: a port in use (or a bad --host) is one
-    message naming the flag. ``reuse_port``: SO_REUSEPORT, so N processes share one port."""
+    message naming the flag (``flags``: the host's and the port's). ``reuse_port``: SO_REUSEPORT, so N processes
+    share one port."""
+    host_flag, port_flag = flags
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise EldrError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+        raise EldrError(f"{host_flag} {host!r} cannot be resolved: {e.strerror}") from None
     family = infos[0][0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,8 +78,8 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.soc
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise EldrError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}",
-                        hint="choose another --port (or stop what listens there)") from None
+        raise EldrError(f"{port_flag} {port}: cannot listen on {host}:{port}: {e.strerror}",
+                        hint=f"choose another {port_flag} (or stop what listens there)") from None
     sock.set_inheritable(True)
     return sock
 

@@ -25,12 +25,12 @@ from eldr_cli.routing.live import LiveDetail, live_set
 from eldr_cli.routing.live_set import LiveSet
 
 if TYPE_CHECKING:
-    from eldr_cli.proxy.base import ProxyState
+    from eldr_cli.proxy.base import RouterState
 
 log = logging.getLogger("eldr.proxy")
 
 
-def _predictor(state: ProxyState, n: int) -> LiveSet | None:
+def _predictor(state: RouterState, n: int) -> LiveSet | None:
     """An eldr-live live set used only to predict step times (None without a decode-activation model)."""
     if state.model is None or state.model.live is None:
         return None
@@ -53,7 +53,7 @@ class Shadow:
 class ShadowSet:
     """Every shadow policy of one proxy (built at start; an admin change of the routing artifact rebuilds it)."""
 
-    def __init__(self, state: ProxyState, names: list[str]):
+    def __init__(self, state: RouterState, names: list[str]):
         self.state = state
         self.names = list(dict.fromkeys(names))
         self.refused: dict[str, str] = {}
@@ -82,6 +82,13 @@ class ShadowSet:
         if live.live_set is not None and self.live_predictor is not None:
             self.live_predictor, self._live_is_predictor = live.live_set, True
         self._built_for = (st.model, n, live)
+
+    def follow(self) -> None:
+        """Fresh shadows when the routing artifact, the decode pool's size or the live router changed (an admin
+        change; in Dynamo, an instance that joined or left)."""
+        st = self.state
+        if len(st.decode) and self._built_for != (st.model, len(st.decode), st.router):
+            self._build()
 
     def describe(self) -> dict[str, Any]:
         """What ``/health`` says: the shadows that decide, those refused and why, agreement so far."""
@@ -126,9 +133,7 @@ class ShadowSet:
 
     def _decide(self, rid: str, counts: Any, live: Decision, domain: str | None, healthy: list[bool],
                 tokens: int | None) -> dict[str, Any] | None:
-        st = self.state
-        if self._built_for != (st.model, len(st.decode), st.router):  # an admin change: fresh shadows
-            self._build()
+        self.follow()
         if not self.shadows:
             return None
         out: dict[str, Any] = {}
@@ -221,6 +226,7 @@ class ShadowCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s, st = self.s, self.s.state
+        s.follow()  # the pool may have changed since the last decision
         ids = [w.id for w in st.decode.workers]
         dec = CounterMetricFamily("eldr_proxy_shadow_decisions", "Decisions a shadow policy took",
                                   labels=["shadow"])
