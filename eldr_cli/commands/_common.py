@@ -86,3 +86,10 @@ def checked(name: str, *, optional: bool = True):
         return constraint.convert(value)
 
     return callback
+
+
+# the replicas' shared-state options, the same for serve-proxy and serve-dynamo
+STATE_KEY_FILE = typer.Option(None, "--state-key-file", help="File (mode 600) with the key the replicas sign with.")
+STATE_PASSWORD_FILE = typer.Option(None, "--state-password-file",
+                                   help="File (mode 600) with the Redis password (or $ELDR_STATE_PASSWORD).")
+STATE_CA_FILE = typer.Option(None, "--state-ca-file", help="CA bundle (PEM) verifying a rediss:// server.")

@@ -7,6 +7,7 @@ from typing import Any, List, Optional
 
 import typer
 
+from eldr_cli.commands._common import STATE_CA_FILE, STATE_KEY_FILE, STATE_PASSWORD_FILE
 from eldr_cli.routing.registry import policy_help
 
 
@@ -45,13 +46,9 @@ def serve_dynamo_cmd(
                                         help="local (default) or redis\\[s]://\\[USER@]HOST:PORT\\[/DB]: share "
                                              "in-flight counts and live sets with the other router replicas, "
                                              "signed with $ELDR_STATE_KEY or --state-key-file (as serve-proxy)."),
-    state_key_file: Optional[str] = typer.Option(None, "--state-key-file",
-                                                 help="File (mode 600) with the key the replicas sign with."),
-    state_password_file: Optional[str] = typer.Option(None, "--state-password-file",
-                                                      help="File (mode 600) with the Redis password "
-                                                           "(or $ELDR_STATE_PASSWORD)."),
-    state_ca_file: Optional[str] = typer.Option(None, "--state-ca-file",
-                                                help="CA bundle (PEM) verifying a rediss:// server."),
+    state_key_file: Optional[str] = STATE_KEY_FILE,
+    state_password_file: Optional[str] = STATE_PASSWORD_FILE,
+    state_ca_file: Optional[str] = STATE_CA_FILE,
     state_prefix: str = typer.Option("eldr-dynamo", "--state-prefix",
                                      help="Namespace of the Redis keys and channels."),
     state_reserve_ms: float = typer.Option(50.0, "--state-reserve-ms",

@@ -7,6 +7,7 @@ from typing import Any, List, Optional
 
 import typer
 
+from eldr_cli.commands._common import STATE_CA_FILE, STATE_KEY_FILE, STATE_PASSWORD_FILE
 from eldr_cli.routing.registry import policy_help
 
 
@@ -41,13 +42,9 @@ def serve_proxy_cmd(
                                         help="local (default) or redis\\[s]://\\[USER@]HOST:PORT\\[/DB]: share "
                                              "in-flight counts and admin changes with other replicas (signed with "
                                              "$ELDR_STATE_KEY or --state-key-file)."),
-    state_key_file: Optional[str] = typer.Option(None, "--state-key-file",
-                                                 help="File (mode 600) with the key the replicas sign with."),
-    state_password_file: Optional[str] = typer.Option(None, "--state-password-file",
-                                                      help="File (mode 600) with the Redis password "
-                                                           "(or $ELDR_STATE_PASSWORD)."),
-    state_ca_file: Optional[str] = typer.Option(None, "--state-ca-file",
-                                                help="CA bundle (PEM) verifying a rediss:// server."),
+    state_key_file: Optional[str] = STATE_KEY_FILE,
+    state_password_file: Optional[str] = STATE_PASSWORD_FILE,
+    state_ca_file: Optional[str] = STATE_CA_FILE,
     state_prefix: Optional[str] = typer.Option(None, "--state-prefix",
                                                help="Namespace of the Redis keys and channels (default eldr)."),
     state_reserve_ms: Optional[float] = typer.Option(
