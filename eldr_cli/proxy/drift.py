@@ -9,6 +9,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from eldr_cli.proxy.background import QueueThread
 from eldr_cli.routing.drift import DriftMonitor
 
@@ -42,8 +44,9 @@ class DriftWatch:
         self._worker.start()
 
     def observe(self, enc: Any) -> None:
-        """One handed-off signature as it arrived (never blocks: a full queue skips it, counted)."""
-        if isinstance(enc, dict) and not self._worker.offer(enc):
+        """One handed-off signature: as it arrived (a dict) or decoded (int counts [L, E], which the watch only
+        reads); never blocks: a full queue skips it, counted."""
+        if isinstance(enc, (dict, np.ndarray)) and not self._worker.offer(enc):
             self.dropped += 1
 
     def _current(self) -> DriftMonitor | None:
@@ -66,7 +69,7 @@ class DriftWatch:
         if mon is None:
             return
         try:
-            counts = decode_counts(enc)
+            counts = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
             sig = self.state.model.signature(counts)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - a bad signature is counted as missing on the request path
             return
