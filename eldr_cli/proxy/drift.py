@@ -108,7 +108,6 @@ class DriftWatch:
     def _score(self, items: list[Any]) -> None:
         """Score ``items`` in order (a bad signature, counted as missing on the request path, is skipped)."""
         from eldr_cli.handoff import decode_counts
-        from eldr_cli.method.signature import signatures  # RoutingModel.signature's, on a batch
 
         mon = self._current()
         if mon is None:
@@ -123,9 +122,9 @@ class DriftWatch:
             if c.shape == model.shape:  # type: ignore[union-attr]
                 counts.append(c)
         if counts:
-            S = signatures(np.stack(counts), model.transform, model.weights, model.mask)  # type: ignore[union-attr]
+            S = model.signatures(counts)  # type: ignore[union-attr]
             with self._lock:
-                mon.observe_many(S)
+                mon.observe_batch(S)
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) until every signature queued before this call is scored (tests, shutdown)."""

@@ -82,3 +82,12 @@ class RoutingModel:
         # signatures() on a batch of one, its kept layers' weights taken once (the same float operations)
         x = weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(1, -1)
         return (l2_normalize(x) if unit else x)[0]
+
+    def signatures(self, counts: list[np.ndarray], unit: bool = True) -> np.ndarray:
+        """:meth:`signature` of each of ``counts`` (each [L, E], checked by the caller) as rows [n, N* x E], the same
+        float operations; only the kept layers are gathered."""
+        from eldr_cli.method.signature import l2_normalize, weighted_cells
+
+        kept = np.stack([np.asarray(c)[self.mask] for c in counts])
+        x = weighted_cells(kept, self.transform, self._kept_weights).reshape(len(counts), -1)
+        return l2_normalize(x) if unit else x
