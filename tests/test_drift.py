@@ -89,3 +89,41 @@ def test_proxy_exports_drift_and_health_says_so(tmp_path):
         assert 0 <= c.metric("eldr_proxy_drift_band_all_share") <= 1
     finally:
         c.close()
+
+
+def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_queue(tmp_path):
+    """The watch's window from decoded counts (what the hand-off queues when it decoded them) is the one from the
+    signatures as they arrived, equal to the monitor fed one request at a time; its CPU is counted; a full queue
+    skips (counted) and never blocks the request path."""
+    from types import SimpleNamespace
+
+    from eldr_cli.handoff import encode_counts
+    from eldr_cli.proxy.drift import DriftWatch
+
+    fit, held = _fit(tmp_path, 2, n=400)
+    model = RoutingModel.load(fit)
+    state = SimpleNamespace(model=model, routing_path=str(fit))
+    ref = DriftMonitor.for_model(model, load_routing_artifact(fit).params["drift"])
+    for c in held:
+        ref.observe(model.signature(c))
+    snaps = []
+    for items in (list(held), [encode_counts(c) for c in held]):
+        w = DriftWatch(state)
+        try:
+            for x in items:
+                w.observe(x)
+            w.observe(None)  # no signature: not queued
+            w.drain()
+            snaps.append(w.snapshot())
+            assert w.scored == len(held) and w.dropped == 0 and w.cpu_s > 0
+        finally:
+            w.close()
+    assert snaps[0] == snaps[1]  # the same window whichever the hand-off queued
+    want = ref.snapshot()
+    assert snaps[0] == {**want, **{k: pytest.approx(want[k], rel=1e-12) for k in
+                                   ("centroid_similarity", "prototype_similarity")}}
+    w = DriftWatch(state, queue_rows=5)
+    w.close()  # no thread: the queue fills
+    for c in held[:8]:
+        w.observe(c)
+    assert w.dropped == 3

@@ -83,14 +83,17 @@ def command(argv: Sequence[str] | str, cwd: Path | None = None,
 
 
 def tree_at(rev: str | None, dst: Path) -> Path:
-    """``eldr_cli`` of commit ``rev`` unpacked under ``dst`` (``git archive``; default: where this branch
-    left main), for a "before" arm run with ``PYTHONPATH=dst``. -> ``dst``."""
+    """``eldr_cli`` of commit ``rev`` (with the folders its links point at) unpacked under ``dst`` (``git archive``;
+    default: where this branch left main), for a "before" arm run with ``PYTHONPATH=dst``. -> ``dst``."""
     from benchmarks.base.env import ROOT
 
     base = rev or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True,
                                  check=True).stdout.strip()
     dst.mkdir(parents=True)
-    arch = subprocess.run(["git", "archive", base, "eldr_cli"], cwd=ROOT, capture_output=True, check=True).stdout
+    # eldr_cli/schemas and eldr_cli/kernels are links to top-level folders: those come along where they exist
+    paths = ["eldr_cli", *(p for p in ("manifests", "kernels") if subprocess.run(
+        ["git", "cat-file", "-e", f"{base}:{p}"], cwd=ROOT, capture_output=True).returncode == 0)]
+    arch = subprocess.run(["git", "archive", base, *paths], cwd=ROOT, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dst)], input=arch, check=True)
     return dst
 

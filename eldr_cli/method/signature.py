@@ -44,14 +44,20 @@ def signatures(counts: np.ndarray, transform: str, weights: np.ndarray | None, m
     """Eq. 2 for a batch: counts [R, L, E] -> unit signatures [R, |mask| * E]. ``unit=False`` stops before
     the normalization (the same directions, for a caller that only ranks dot products with one signature)."""
     c = np.asarray(counts)[:, mask, :]
-    if weights is None:
-        x = apply_transform(c, transform)
-    elif transform == "count-idf":
-        x = apply_transform(c, transform, np.asarray(weights)[mask])
-    else:  # per-cell weights on any transform (ones, or learned per-layer weights: method.layer_weights)
-        x = apply_transform(c, transform) * np.asarray(weights, dtype=np.float64)[mask]
+    x = weighted_cells(c, transform, None if weights is None else np.asarray(weights, dtype=np.float64)[mask])
     x = x.reshape(x.shape[0], -1)
     return l2_normalize(x) if unit else x
+
+
+def weighted_cells(c: np.ndarray, transform: str, weights: np.ndarray | None) -> np.ndarray:
+    """Eq. 2's cells before flattening: the kept layers' counts [..., N*, E] transformed and weighted by the kept
+    layers' float64 ``weights`` [N*, E] (None: unweighted); :func:`signatures` and ``RoutingModel.signature``."""
+    if weights is None:
+        return apply_transform(c, transform)
+    if transform == "count-idf":
+        return apply_transform(c, transform, weights)
+    # per-cell weights on any transform (ones, or learned per-layer weights: method.layer_weights)
+    return apply_transform(c, transform) * weights
 
 
 def decode_pattern(decode_counts: np.ndarray, decode_steps: np.ndarray) -> np.ndarray:

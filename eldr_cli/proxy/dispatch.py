@@ -97,18 +97,22 @@ class Recorder:
 
     def observe(self, t0_perf: float, answer: dict[str, Any], body: dict[str, Any], ktp: dict[str, Any] | None,
                 pool: WorkerPool) -> dict[str, Any] | None:
-        """At the hand-off, before the signature is popped: queue it for the drift watch, and return the replay
-        fields when the decision log records them (else None)."""
-        enc = ktp.get(SIGNATURE_KEY) if ktp is not None else None
-        if self.drift is not None:
-            self.drift.observe(enc)
+        """At the hand-off, before the signature is popped: the replay fields when the decision log records them
+        (else None)."""
         if self.log is None or not self.log.replay:
             return None
+        enc = ktp.get(SIGNATURE_KEY) if ktp is not None else None
         row = replay_fields(t0_perf, answer, body, enc, self.routing_path)
         if self.scrape_metrics:  # the decoders' scraped TPOT: what `eldr report --decision-log` holds the model to
             row["decoders_tpot_ms"] = [None if w.scraped_tpot_ms is None else round(w.scraped_tpot_ms, 4)
                                        for w in pool.workers]
         return row
+
+    def watch(self, signature: Any) -> None:
+        """Queue a handed-off signature for the drift watch (if on): its decoded counts when the hand-off decoded
+        them (not decoded twice), else as it arrived."""
+        if self.drift is not None:
+            self.drift.observe(signature)
 
     def signature(self, state: str) -> None:
         """A hand-off without a usable signature (``missing`` or ``malformed``), counted."""
@@ -139,19 +143,24 @@ class Dispatcher:
                 ktp: dict[str, Any] | None) -> Handoff:
         """What the prefill ``answer`` hands over (its signature is popped from ``ktp``, the kv_transfer_params
         the decode leg forwards)."""
-        replay = self.recorder.observe(t0_perf, answer, body, ktp, self.pool)  # drift watch; the log's replay fields
+        rec = self.recorder
+        replay = rec.observe(t0_perf, answer, body, ktp, self.pool)  # the log's replay fields
         enc = pop_signature(ktp)
         tokens = context_tokens(answer, body)
         if enc is None:
-            self.recorder.signature("missing")
+            rec.signature("missing")
             return Handoff(None, "missing", tokens, replay)
         if not self.router.needs_signature and self.shadows is None:
+            rec.watch(enc)
             return Handoff(None, "unused", tokens, replay)
         try:
-            return Handoff(decode_counts(enc), "ok", tokens, replay)
+            counts = decode_counts(enc)
         except SignatureDecodeError:
-            self.recorder.signature("malformed")
+            rec.watch(enc)
+            rec.signature("malformed")
             return Handoff(None, "malformed", tokens, replay)
+        rec.watch(counts)
+        return Handoff(counts, "ok", tokens, replay)
 
     async def dispatch(self, ctx: RequestContext, h: Handoff) -> DecisionRecord:
         """decide -> hold -> reserve -> record -> notify the shadows. The request is held (in the router's live set

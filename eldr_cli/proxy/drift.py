@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from eldr_cli.proxy.background import QueueThread
+import numpy as np
+
 from eldr_cli.routing.drift import DriftMonitor
 
 if TYPE_CHECKING:
@@ -25,26 +28,69 @@ def drift_stats(path: str | None) -> dict[str, Any] | None:
     return load_routing_artifact(path).params.get("drift") if path else None  # type: ignore[no-untyped-call]
 
 
+DRIFT_CPU_SHARE = 0.02  # the drift watch's CPU bound: at most this share of one core, averaged over its passes
+DRIFT_PERIOD_S = 0.05   # signatures queued meanwhile are scored together, one pass per period at most
+
+
 class DriftWatch:
-    """Signatures queued by the request path, scored by one thread against the current routing artifact."""
+    """Signatures queued by the request path, scored by one thread against the current routing artifact.
+
+    The request path appends to a bounded queue and wakes nothing; the thread scores what was queued in one
+    vectorized pass every :data:`DRIFT_PERIOD_S` and measures its own CPU time (``cpu_s``, ``scored``). After a
+    pass of c CPU seconds it waits at least c / :data:`DRIFT_CPU_SHARE` before the next, so that it never takes
+    more than that share of a core: when the traffic needs more, the queue fills and the signatures it cannot
+    take are skipped, counted (``dropped``), and the window holds a sample of the traffic."""
 
     def __init__(self, state: ProxyState, queue_rows: int = 4096):
         self.state = state
-        self.dropped = 0
+        self.queue_rows = queue_rows
+        self.dropped = self.scored = 0
+        self.cpu_s = 0.0
         self._monitor: DriftMonitor | None = None
         self._path: str | None = None
         self._lock = threading.Lock()
-        self._worker = QueueThread("eldr-drift", self._score, queue_rows)
+        self._pending: deque[Any] = deque()
+        self._offered = self._handled = 0
+        self._wake = threading.Event()
+        self._done = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread()
         self.start()
 
     def start(self) -> None:
         """Start the scoring thread (again after :meth:`close`)."""
-        self._worker.start()
+        if not self._thread.is_alive():
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="eldr-drift", daemon=True)
+            self._thread.start()
 
     def observe(self, enc: Any) -> None:
-        """One handed-off signature as it arrived (never blocks: a full queue skips it, counted)."""
-        if isinstance(enc, dict) and not self._worker.offer(enc):
+        """One handed-off signature: as it arrived (a dict) or decoded (int counts [L, E], which the watch only
+        reads); never blocks: a full queue skips it, counted."""
+        if not isinstance(enc, (dict, np.ndarray)):
+            return
+        if len(self._pending) >= self.queue_rows:
             self.dropped += 1
+            return
+        self._pending.append(enc)
+        self._offered += 1
+
+    def _run(self) -> None:
+        wait = DRIFT_PERIOD_S
+        while not self._stop:
+            self._wake.wait(wait)
+            self._wake.clear()
+            t0 = time.thread_time()
+            n = len(self._pending)
+            if n:
+                self._score([self._pending.popleft() for _ in range(n)])
+            spent = time.thread_time() - t0
+            self.cpu_s += spent
+            self.scored += n
+            with self._done:
+                self._handled += n
+                self._done.notify_all()
+            wait = max(DRIFT_PERIOD_S, spent / DRIFT_CPU_SHARE)
 
     def _current(self) -> DriftMonitor | None:
         st = self.state
@@ -59,23 +105,35 @@ class DriftWatch:
                 self._monitor, self._path = DriftMonitor.for_model(st.model, stats), st.routing_path
         return self._monitor
 
-    def _score(self, enc: Any) -> None:
+    def _score(self, items: list[Any]) -> None:
+        """Score ``items`` in order (a bad signature, counted as missing on the request path, is skipped)."""
         from eldr_cli.handoff import decode_counts
 
         mon = self._current()
         if mon is None:
             return
-        try:
-            counts = decode_counts(enc)
-            sig = self.state.model.signature(counts)  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - a bad signature is counted as missing on the request path
-            return
-        with self._lock:
-            mon.observe(sig)
+        model = self.state.model
+        counts = []
+        for enc in items:
+            try:
+                c = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
+            except Exception:  # noqa: BLE001
+                continue
+            if c.shape == model.shape:  # type: ignore[union-attr]
+                counts.append(c)
+        if counts:
+            S = model.signatures(counts)  # type: ignore[union-attr]
+            with self._lock:
+                mon.observe_batch(S)
 
     def drain(self, timeout_s: float = 10.0) -> None:
-        """Wait until every queued signature is scored (tests, shutdown)."""
-        self._worker.drain(timeout_s)
+        """Wait (at most ``timeout_s``) until every signature queued before this call is scored (tests, shutdown)."""
+        if not self._thread.is_alive():
+            return
+        target = self._offered
+        self._wake.set()
+        with self._done:
+            self._done.wait_for(lambda: self._handled >= target, timeout_s)
 
     def snapshot(self) -> dict[str, Any] | None:
         with self._lock:
@@ -83,7 +141,13 @@ class DriftWatch:
             return None if mon is None else mon.snapshot()
 
     def close(self) -> None:
-        self._worker.close(10.0)
+        """Stop the thread once the signatures already queued are scored."""
+        if self._thread.is_alive():
+            self._stop = True
+            self._wake.set()
+            self._thread.join(10.0)
+            if self._pending:
+                self._score([self._pending.popleft() for _ in range(len(self._pending))])
 
 
 class DriftCollector:
@@ -125,5 +189,12 @@ class DriftCollector:
         yield g
         c = CounterMetricFamily("eldr_proxy_drift_skipped", "Signatures not scored (the drift queue was full)")
         c.add_metric([], self.watch.dropped)
+        yield c
+        c = CounterMetricFamily("eldr_proxy_drift_scored", "Signatures scored by the drift watch")
+        c.add_metric([], self.watch.scored)
+        yield c
+        c = CounterMetricFamily("eldr_proxy_drift_cpu_seconds", "CPU time of the drift watch's thread (bounded to "
+                                "DRIFT_CPU_SHARE of one core)")
+        c.add_metric([], self.watch.cpu_s)
         yield c
 

@@ -79,6 +79,21 @@ class DriftMonitor:
         for s in np.asarray(S):
             self.observe(s)
 
+    def observe_batch(self, S: np.ndarray) -> None:
+        """:meth:`observe_many` as matrix products (each similarity to within rounding): the centroids and
+        prototypes are read once per batch, not once per signature (the proxy's drift watch)."""
+        S = np.asarray(S, dtype=np.float64)
+        S = S[S.any(axis=1)]
+        if not len(S):
+            return
+        cs = S @ self.centroids.T
+        top = cs.max(axis=1)
+        self._near.extend(top.tolist())
+        self._all.extend((cs.min(axis=1) >= top - self.tau).tolist())
+        if self.prototypes is not None:
+            self._proto.extend((S @ self.prototypes.T).max(axis=1).tolist())
+        self.seen += len(S)
+
     def snapshot(self) -> dict[str, Any]:
         """Rolling means, the calibration's, thresholds and the verdict: ``drifted`` is None until a full
         window was seen (or without calibration figures), else whether a mean fell below its threshold."""

@@ -117,26 +117,30 @@ class EldrLivePolicy(Policy):
         """The rule on the new request's per-step activation probabilities ``a_new`` [L*E]."""
         q, active, C = self.live.view()
         ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
-        B = np.array(ld, dtype=np.float64)
         # each decoder's next step without and with the request (its expected new experts and its context),
-        # by the one step formula the simulator and the replay use
-        Tb = step_ms_from_terms(self.terms, active, B, C)
-        T = Tb * (B > 0)  # an idle decoder runs no step
-        T1 = step_ms_from_terms(self.terms, active + q @ a_new, B + 1, C + c_new)
-        cost = T1 + B * (T1 - T)
+        # by the one step formula the simulator and the replay use; on Python floats per decoder: the same IEEE
+        # double operations in the same order as numpy on [K] arrays, without numpy's cost per call on tiny arrays
+        terms, kt = self.terms, self.terms.kt
+        cost, growth = [], []
+        for b, a, c, da in zip(ld, active.tolist(), C.tolist(), (q @ a_new).tolist(), strict=True):
+            B = float(b)
+            Tb = step_ms_from_terms(terms, a, B, c)
+            T = Tb if B > 0 else 0.0  # an idle decoder runs no step
+            T1 = step_ms_from_terms(terms, a + da, B + 1, c + c_new)
+            cost.append(T1 + B * (T1 - T))
+            # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
+            # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
+            # Redis's exact counts)
+            growth.append(T1 - Tb + kt)
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
         tie = COST_TIE if sum(ld) < LOW_LOAD_MEAN * len(ld) else 1e-9
         # the one rule (policies.rerank), tie order: the decoder sent a request longest ago first (then index)
         order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
-        w = rerank(cost.tolist(), ld, slack, tie, order)
-        # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
-        # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
-        # Redis's exact counts)
-        growth = T1 - Tb + self.terms.kt
-        return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=cost, detail=detail, growth_ms=growth,
-                       tie=tie)
+        w = rerank(cost, ld, slack, tie, order)
+        return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=np.array(cost), detail=detail,
+                       growth_ms=np.array(growth), tie=tie)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

@@ -99,11 +99,12 @@ class PrefillPredictor:
         if self.shrinkage is None:
             return self.entries[m]
         # method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c
-        c = np.asarray(counts, dtype=np.float32)
+        c = np.array(counts, dtype=np.float32)  # a copy: scaled in place below
         tok = c.sum(axis=1) * self._inv_k
         lam = self._w * tok / np.maximum(tok + self._kappa, np.float32(1e-9))
         a = self.act[m] * (1 - lam)[:, None]
-        a += c * (lam / np.maximum(tok, np.float32(1e-9)))[:, None]
+        c *= (lam / np.maximum(tok, np.float32(1e-9)))[:, None]
+        a += c
         np.minimum(a, np.float32(MAX_ACTIVATION), out=a)
         a = a.reshape(-1)
         return LiveEntry(a, np.log1p(-a), m)

@@ -48,6 +48,7 @@ class RoutingModel:
         self.live_shrinkage = None if live_shrinkage is None else (np.asarray(live_shrinkage[0], dtype=np.float64),
                                                                    np.asarray(live_shrinkage[1], dtype=np.float64))
         self.top_k = int(top_k)
+        self._kept_weights = self.weights[self.mask]  # [N*, E]: what signatures() indexes on every call
 
     @property
     def n_clusters(self) -> int:
@@ -73,9 +74,20 @@ class RoutingModel:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
         :func:`eldr_cli.method.signature.signatures`, so fit and serving cannot disagree (``unit=False``:
         not normalized, the same direction)."""
-        from eldr_cli.method.signature import signatures
+        from eldr_cli.method.signature import l2_normalize, weighted_cells
 
         c = np.asarray(counts)
         if c.shape != self.weights.shape:
             raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
-        return signatures(c[None], self.transform, self.weights, self.mask, unit=unit)[0]
+        # signatures() on a batch of one, its kept layers' weights taken once (the same float operations)
+        x = weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(1, -1)
+        return (l2_normalize(x) if unit else x)[0]
+
+    def signatures(self, counts: list[np.ndarray], unit: bool = True) -> np.ndarray:
+        """:meth:`signature` of each of ``counts`` (each [L, E], checked by the caller) as rows [n, N* x E], the same
+        float operations; only the kept layers are gathered."""
+        from eldr_cli.method.signature import l2_normalize, weighted_cells
+
+        kept = np.stack([np.asarray(c)[self.mask] for c in counts])
+        x = weighted_cells(kept, self.transform, self._kept_weights).reshape(len(counts), -1)
+        return l2_normalize(x) if unit else x
