@@ -1,12 +1,12 @@
 """How well eldr-live's decode-activation predictors predict, measured where they are fitted (issue 35).
 
-The calibration rows with decode steps are split once (seeded): a quarter (at most 256) is held back. Every candidate is
+The calibration rows with decode steps are split once (seeded): a quarter (at most 128) is held back. Every candidate is
 built from the other rows only (prototype means without the held-back rows; shrinkage tuned on the rest by
 leave-one-out) and scored on the held-back rows against their true per-step activation y_r(l, e):
 
 - ``brier``: mean over (request, layer, expert) of (a - y)^2;
 - ``log_loss``: the per-step log-loss -[y log a + (1 - y) log(1 - a)], a read as at least 1e-4;
-- ``union_err_pct_b{8,32,64}``: mean |U(a) - U(y)| / U(y) over 64 random batches of b held-back requests,
+- ``union_err_pct_b{8,32,64}``: mean |U(a) - U(y)| / U(y) over 48 random batches of b held-back requests,
   where U is the expected number of distinct experts a step of the batch activates,
   sum_{l,e} (1 - prod_r (1 - a_r(l, e))): what eldr-live's cost rests on. The clairvoyant (a = y) scores 0.
 
@@ -35,9 +35,9 @@ from eldr_cli.method.shrinkage import (
 SERVABLE = ("prototype", "shrinkage-global", "shrinkage")  # in order of simplicity
 HOLD_BACK = 0.25
 BATCHES = (8, 32, 64)
-N_BATCHES = 64
+N_BATCHES = 48
 TOLERANCE = 0.005  # a more complex predictor must beat the simpler one by more than 0.5% of its Brier score
-MAX_HELD = 256  # held-back rows at most (the measurement's cost stays bounded at large N)
+MAX_HELD = 128  # held-back rows at most (the measurement's cost stays bounded at large N)
 
 
 def _log_idle(a: np.ndarray) -> np.ndarray:

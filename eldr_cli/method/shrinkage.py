@@ -12,7 +12,7 @@ import numpy as np
 MAX_ACTIVATION = 0.999  # keeps log(1 - a) finite: no expert is certain to fire at every step
 KAPPAS = (0.0, 2.0, 8.0, 32.0, 128.0, 512.0, 2048.0, np.inf)  # prompt tokens worth the prototype's mean
 LOSS_FLOOR = 1e-4  # log-loss: a predicted probability is read as at least this (a 0 would cost infinity)
-TUNE_ROWS = 512  # kappa and w (2 numbers a layer) are tuned on at most this many rows: the fit's time stays bounded
+TUNE_ROWS = 256  # kappa and w (2 numbers a layer) are tuned on at most this many rows: the fit's time stays bounded
 
 
 def tune_rows(n: int, seed: int) -> np.ndarray:
