@@ -145,6 +145,9 @@ def import_trace(root, out, *, num_experts: int | None = None, top_k: int | None
         return _assemble(staging, root, out, acc, num_experts, top_k, seed, eval_fraction,
                          wall=time.perf_counter() - t0, draw_in_background=workers > 1)
     except BaseException:
+        if pool is not None:  # its workers stop before the staging area goes: a late batch would write it again
+            pool.terminate()
+            pool.join()
         staging.remove()
         raise
     finally:
