@@ -6,7 +6,7 @@ nearest prototype's mean, shrunk per layer toward the request's own prefill dist
 that better; :mod:`eldr_cli.method.live`), and their context tokens. For each candidate decoder d it predicts
 the next decode step with and without the new request through the cost model's step form (``CostModel.step_terms``)::
 
-    q_d(l, e)  = prod over d's requests of (1 - a_m(l, e))        P(expert e of layer l idle in a step)
+    q_d(l, e)  = prod over d's requests r of (1 - a_r(l, e))      P(expert e of layer l idle in a step)
     A_d        = sum_{l,e} (1 - q_d(l, e))                        expected distinct active experts
     dA_d       = sum_{l,e} q_d(l, e) * a_new(l, e)                experts the new request adds
     T_d        = step(A_d, B_d, C_d)                              (0 for an idle decoder)
