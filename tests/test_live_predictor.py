@@ -66,8 +66,10 @@ def test_choose_keeps_the_simplest_within_tolerance():
 
 def test_no_held_back_rows_no_measurement():
     sig, decode, steps, prefill, k = _trace(R=6)
-    assert predictor_quality(sig, decode / 64, prefill, k, np.zeros(6, dtype=int), 1) is not None
-    assert predictor_quality(sig[:3], decode[:3] / 64, prefill[:3], k, np.zeros(3, dtype=int), 1) is None
+    f, tok = prefill_frequency(prefill, k)
+    y = np.clip(decode / 64, 0, 0.999)
+    assert predictor_quality(sig, y, f, tok, np.zeros(6, dtype=int), 1) is not None
+    assert predictor_quality(sig[:3], y[:3], f[:3], tok[:3], np.zeros(3, dtype=int), 1) is None
 
 
 def _model(weight: float) -> RoutingModel:

@@ -10,22 +10,14 @@ decision's slot in it, as in ``serve-proxy``.
 
 from __future__ import annotations
 
-from eldr_cli.proxy.replicas.conn import parse_state_url
 from eldr_cli.proxy.replicas.shared import LocalState
 
 
 def make_state(state: str | None, *, key_file: str | None = None, password_file: str | None = None,
                ca_file: str | None = None, prefix: str = "eldr-dynamo", reserve_ms: float = 50.0) -> LocalState:
-    """``local`` (default) or the proxy's ``RedisState`` over ``redis[s]://...`` (checked, key resolved: the
-    same EldrErrors, naming the same options, as ``serve-proxy --state``)."""
-    if parse_state_url(state) == "local":
-        return LocalState()
-    from eldr_cli.proxy.replicas.auth import resolve_state_key
-    from eldr_cli.proxy.replicas.conn import build_state_conn, check_state_reachable
-    from eldr_cli.proxy.replicas.shared import RedisState
+    """``local`` (default) or the proxy's ``RedisState`` over ``redis[s]://...``, opened as ``serve-proxy --state``
+    opens it, Redis checked now (the Dynamo component has no config validation step)."""
+    from eldr_cli.proxy.replicas.state import open_state
 
-    assert state is not None
-    key, _ = resolve_state_key(key_file, None, state)
-    conn = build_state_conn(state, prefix, password_file, ca_file)
-    check_state_reachable(conn)
-    return RedisState(conn, key, reserve_ms)
+    return open_state(state, key_file=key_file, prefix=prefix, password_file=password_file, ca_file=ca_file,
+                      reserve_ms=reserve_ms, check_reachable=True)

@@ -88,10 +88,10 @@ class DecodeActivation:
         if self.shrink and prefill_counts is not None:
             pc = np.asarray(prefill_counts)[ok]
             y = np.clip(act, 0.0, MAX_ACTIVATION)
-            self.quality_ = predictor_quality(S, y, pc, top_k, labels, M, seed=self.seed)
+            f, tok = prefill_frequency(pc, top_k)
+            self.quality_ = predictor_quality(S, y, f, tok, labels, M, seed=self.seed)
             self.predictor_ = choose(self.quality_)
             if self.predictor_ != "prototype":  # the chosen form, tuned again on (up to TUNE_ROWS of) every row
-                f, tok = prefill_frequency(pc, top_k)
                 loo = loo_prototype_means(y, labels, M)
                 sub = tune_rows(len(y), self.seed)
                 self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo[sub],

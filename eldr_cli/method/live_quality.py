@@ -25,7 +25,6 @@ from eldr_cli.method.shrinkage import (
     LOSS_FLOOR,
     MAX_ACTIVATION,
     loo_prototype_means,
-    prefill_frequency,
     prototype_sums,
     shrink,
     tune_rows,
@@ -100,21 +99,20 @@ def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
     return out
 
 
-def predictor_quality(S: np.ndarray, act: np.ndarray, prefill_counts: np.ndarray, top_k: int,
-                      labels: np.ndarray, n_protos: int, seed: int = 0) -> dict[str, dict[str, float]] | None:
+def predictor_quality(S: np.ndarray, y: np.ndarray, f: np.ndarray, tok: np.ndarray, labels: np.ndarray,
+                      n_protos: int, seed: int = 0) -> dict[str, dict[str, float]] | None:
     """{candidate: metrics} on the held-back split (None when there are too few rows to hold any back).
 
-    ``S`` [R, d] signatures, ``act`` [R, L, E] true per-step activations, ``prefill_counts`` [R, L, E] and the
-    rows' prototype ``labels`` [R], all of the calibration rows with decode steps."""
-    R = len(act)
+    ``S`` [R, d] signatures, ``y`` [R, L, E] true per-step activations (clipped to MAX_ACTIVATION), the prefill
+    distribution ``f`` [R, L, E] and tokens ``tok`` [R, L] (:func:`prefill_frequency`) and the rows' prototype
+    ``labels`` [R], all of the calibration rows with decode steps."""
+    R = len(y)
     n_held = min(int(round(HOLD_BACK * R)), MAX_HELD)
     if n_held < 2 or R - n_held < 2:
         return None
     rng = np.random.default_rng(seed)
     held = np.zeros(R, dtype=bool)
     held[rng.choice(R, size=n_held, replace=False)] = True
-    y = np.clip(act, 0.0, MAX_ACTIVATION).astype(np.float32)
-    f, tok = prefill_frequency(prefill_counts, top_k)
     batches = {b: rng.integers(0, n_held, size=(N_BATCHES, b)) for b in BATCHES}
     yh = y[held]
     ly = _log_idle(yh)

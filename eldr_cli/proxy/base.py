@@ -7,8 +7,7 @@ import logging
 from typing import Any, Protocol
 
 from eldr_cli.proxy.config import ProxyConfig
-from eldr_cli.proxy.replicas.conn import parse_state_url
-from eldr_cli.proxy.replicas.shared import LocalState, RedisState
+from eldr_cli.proxy.replicas.shared import LocalState
 from eldr_cli.proxy.workers import WorkerPool
 from eldr_cli.routing import DecodeRouter, RoutingModel, make_router
 from eldr_cli.routing.prefill import PrefixHashPrefill
@@ -45,14 +44,11 @@ class RouterState(Protocol):
 
 def make_shared_state(cfg: ProxyConfig) -> LocalState:
     """Local, or Redis with the connection and key resolved (and checked) by ``cfg.validate()``."""
-    if parse_state_url(cfg.state) == "local":
-        return LocalState()
-    from eldr_cli.proxy.replicas.auth import resolve_state_key
-    from eldr_cli.proxy.replicas.conn import build_state_conn
+    from eldr_cli.proxy.replicas.state import open_state
 
-    key, _ = resolve_state_key(cfg.state_key_file, cfg.admin_token, cfg.state)
-    conn = build_state_conn(cfg.state, cfg.state_prefix, cfg.state_password_file, cfg.state_ca_file)
-    return RedisState(conn, key, cfg.state_reserve_ms)
+    return open_state(cfg.state, key_file=cfg.state_key_file, admin_token=cfg.admin_token, prefix=cfg.state_prefix,
+                      password_file=cfg.state_password_file, ca_file=cfg.state_ca_file,
+                      reserve_ms=cfg.state_reserve_ms)
 
 
 def default_policy(model: RoutingModel | None, path: str | None) -> str:
