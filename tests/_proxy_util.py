@@ -65,3 +65,13 @@ class Cluster:
         self.proxy.stop()
         for s in self.servers:
             s.stop()
+
+
+def until(cond, timeout: float = 5.0, step: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds pass (False): the tests' one wait."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(step)
+    return False

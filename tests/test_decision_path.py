@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 import redis as redis_py
 from _proxy_util import build_routing
+from _proxy_util import until as _until
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.redis_server import RedisServer
@@ -32,13 +32,6 @@ def redis():
         yield r
 
 
-def _until(cond, timeout=5.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _stream(url, i, out):

@@ -5,11 +5,11 @@ workers. Real redis-server, real in-process proxies, stub workers."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 import redis as redis_py
+from _proxy_util import until as _until
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.redis_server import RedisServer
@@ -59,13 +59,6 @@ def cluster(redis, request):
     _stop_all(reps, servers)
 
 
-def _until(cond, timeout=5.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _stream(url, i, out):

@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 import redis as redis_py
+from _proxy_util import until as _until
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.redis_server import RedisServer
@@ -57,13 +58,6 @@ def cluster(redis, tmp_path):
     r.close()
 
 
-def _until(cond, timeout=5.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _stream(url, i, out, n=1, max_tokens=20):

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import redis as redis_py
+from _proxy_util import until as _until
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas.redis_server import RedisServer
@@ -53,13 +54,6 @@ def pair(redis):
     r.close()
 
 
-def _until(cond, timeout=5.0, step=0.02):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _always(cond, duration=1.0, step=0.02):

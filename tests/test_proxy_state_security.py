@@ -11,6 +11,7 @@ import httpx
 import orjson
 import pytest
 import redis as redis_py
+from _proxy_util import until as _until
 
 from eldr_cli.proxy import ProxyConfig, create_app
 from eldr_cli.proxy.replicas import auth
@@ -64,13 +65,6 @@ def _replica(pre, dec, state, **kw):
     return app, ServerThread(app).start()
 
 
-def _until(cond, timeout=5.0, step=0.05):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _sealed(key: bytes, ns: str, origin: str, kind: str, payload, age_s: float = 0.0) -> bytes:

@@ -20,6 +20,7 @@ import httpx
 import orjson
 import pytest
 import redis as redis_py
+from _proxy_util import until as _until
 
 from eldr_cli.errors import EldrError
 from eldr_cli.proxy import ProxyConfig, create_app
@@ -67,13 +68,6 @@ def _replica(pre, dec, state):
     return app, ServerThread(app).start()
 
 
-def _until(cond, timeout=5.0, step=0.02):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _load(b, sb, n):
