@@ -92,9 +92,11 @@ class DecodeActivation:
             self.quality_ = predictor_quality(S, y, f, tok, labels, M, seed=self.seed)
             self.predictor_ = choose(self.quality_)
             if self.predictor_ != "prototype":  # the chosen form, tuned again on (up to TUNE_ROWS of) every row
-                loo = loo_prototype_means(y, labels, M)
                 sub = tune_rows(len(y), self.seed)
-                self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo[sub],
+                # clipping changed nothing (no activation above MAX_ACTIVATION): the sums above are y's
+                same = bool(act.max(initial=0.0) <= MAX_ACTIVATION and act.min(initial=0.0) >= 0.0)
+                loo = loo_prototype_means(y, labels, M, rows=sub, sums=sums if same else None)
+                self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo,
                                                  per_layer=self.predictor_ == "shrinkage")
         return self
 

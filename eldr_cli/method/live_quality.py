@@ -27,8 +27,8 @@ from eldr_cli.method.shrinkage import (
     loo_prototype_means,
     prototype_sums,
     shrink,
+    tune_both,
     tune_rows,
-    tune_shrinkage,
 )
 
 SERVABLE = ("prototype", "shrinkage-global", "shrinkage")  # in order of simplicity
@@ -78,24 +78,25 @@ def scores(a: np.ndarray, y: np.ndarray, batches: dict[int, np.ndarray],
 
 def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
     """Each candidate's predictions for the held-back rows, built from the other rows only."""
-    rest = ~held
-    sums = prototype_sums(y[rest], labels[rest], n_protos)
-    n = np.bincount(labels[rest], minlength=n_protos)
-    mean = y[rest].mean(axis=0)
+    rest = np.flatnonzero(~held)
+    y_rest, lab_rest = y[rest], labels[rest]
+    sums = prototype_sums(y_rest, lab_rest, n_protos)
+    n = np.bincount(lab_rest, minlength=n_protos)
+    mean = y_rest.mean(axis=0)
     proto_means = np.where((n > 0)[:, None, None], sums / np.maximum(n, 1)[:, None, None], mean)
     proto = proto_means[labels[held]].astype(np.float32)
-    loo = loo_prototype_means(y[rest], labels[rest], n_protos)
-    sub = tune_rows(int(rest.sum()), 0)
-    yr, fr, tr = y[rest][sub], f[rest][sub], tok[rest][sub]
+    sub = tune_rows(len(rest), 0)
+    loo = loo_prototype_means(y_rest, lab_rest, n_protos, rows=sub, sums=sums)
     out = {"prototype": proto}
-    for name, per_layer in (("shrinkage-global", False), ("shrinkage", True)):
-        sh = tune_shrinkage(yr, fr, tr, loo[sub], per_layer=per_layer)
-        out[name] = shrink(f[held], tok[held], proto, sh.kappa, sh.weight)
+    fh, th = f[held], tok[held]
+    tuned = tune_both(y_rest[sub], f[rest[sub]], tok[rest[sub]], loo)  # (global, per layer) from one pass
+    for name, sh in zip(("shrinkage-global", "shrinkage"), tuned, strict=True):
+        out[name] = shrink(fh, th, proto, sh.kappa, sh.weight)
     L = y.shape[1]
-    out["own"] = shrink(f[held], tok[held], proto, np.zeros(L), np.ones(L))
+    out["own"] = shrink(fh, th, proto, np.zeros(L), np.ones(L))
     Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
     near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :8]
-    out["knn-8"] = y[rest][near].mean(axis=1).astype(np.float32)
+    out["knn-8"] = y_rest[near].mean(axis=1).astype(np.float32)
     return out
 
 

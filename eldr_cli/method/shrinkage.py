@@ -59,38 +59,50 @@ def prototype_sums(act: np.ndarray, labels: np.ndarray, n_protos: int) -> np.nda
     return (onehot @ act.reshape(len(act), -1).astype(np.float64)).reshape(n_protos, *act.shape[1:])
 
 
-def loo_prototype_means(act: np.ndarray, labels: np.ndarray, n_protos: int) -> np.ndarray:
-    """Each row's prototype mean without the row itself [R, L, E] (the global mean without it for a lone member)."""
-    sums = prototype_sums(act, labels, n_protos)
+def loo_prototype_means(act: np.ndarray, labels: np.ndarray, n_protos: int, rows: np.ndarray | None = None,
+                        sums: np.ndarray | None = None) -> np.ndarray:
+    """Each row's prototype mean without the row itself [R, L, E] (the global mean without it for a lone member);
+    only for ``rows`` (indices; default all), each row's value the same bit for bit. ``sums``: the rows'
+    :func:`prototype_sums`, when already computed."""
+    sums = prototype_sums(act, labels, n_protos) if sums is None else sums
     n = np.bincount(labels, minlength=n_protos).astype(np.float64)
-    total = sums.sum(axis=0)
-    a32 = np.asarray(act, dtype=np.float32)
-    own = sums.astype(np.float32)[labels]
+    rows = np.arange(len(act)) if rows is None else np.asarray(rows)
+    a32 = np.asarray(act[rows], dtype=np.float32)
+    lab = labels[rows]
+    own = sums.astype(np.float32)[lab]
     own -= a32
-    lone = n[labels] <= 1
-    own /= np.maximum(n[labels] - 1, 1).astype(np.float32)[:, None, None]
+    lone = n[lab] <= 1
+    own /= np.maximum(n[lab] - 1, 1).astype(np.float32)[:, None, None]
     if lone.any():
-        own[lone] = (total.astype(np.float32) - a32[lone]) / max(len(act) - 1, 1)
+        own[lone] = (sums.sum(axis=0).astype(np.float32) - a32[lone]) / max(len(act) - 1, 1)
     return own
 
 
-def tune_shrinkage(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray,
-                   per_layer: bool = True) -> Shrinkage:
-    """kappa_l and w_l minimizing the squared error of a_r against the true activation y [R, L, E], with each
-    row's prototype mean ``proto`` [R, L, E] taken without the row (leave-one-out); for each kappa the best w
-    has a closed form (least squares in w, clipped to [0, 1]). ``per_layer=False``: one (kappa, w) for all."""
-    L = y.shape[1]
+def _kappa_sums(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray):
+    """For each kappa in KAPPAS (but inf), the per-layer least-squares terms (num [L], den [L]) of the weight w, and
+    the prototype's own per-layer squared error ``base`` [L]: -> (base, [(kappa, num, den), ...]). The [R, L, E]
+    products go through reused buffers (the same float32 products and float64 sums as fresh arrays)."""
     resid = proto - y
     d = f - proto
+    base = (resid.astype(np.float64) ** 2).sum(axis=(0, 2))
+    gd, prod, sq = np.empty_like(d), np.empty_like(d), np.empty(d.shape, dtype=np.float64)
+    terms = []
+    for k in KAPPAS[:-1]:
+        g = (tok / (tok + k)) if k > 0 else (tok > 0).astype(np.float32)  # [R, L]
+        np.multiply(g[..., None], d, out=gd)
+        num = -np.multiply(resid, gd, out=prod).sum(axis=(0, 2), dtype=np.float64)
+        den = np.square(gd, out=sq, dtype=np.float64).sum(axis=(0, 2))
+        terms.append((k, num, den))
+    return base, terms
+
+
+def _pick(base: np.ndarray, terms, per_layer: bool) -> Shrinkage:
+    """The (kappa, w) of least squared error among :func:`_kappa_sums`' terms, per layer or one for all layers."""
+    L = len(base)
     best_err = np.full(L, np.inf) if per_layer else np.array([np.inf])
     kappa = np.full(L, np.inf)
     weight = np.zeros(L)
-    base = (resid.astype(np.float64) ** 2).sum(axis=(0, 2))
-    for k in KAPPAS[:-1]:
-        g = (tok / (tok + k)) if k > 0 else (tok > 0).astype(np.float32)  # [R, L]
-        gd = g[..., None] * d
-        num = -(resid * gd).sum(axis=(0, 2), dtype=np.float64)
-        den = (gd.astype(np.float64) ** 2).sum(axis=(0, 2))
+    for k, num, den in terms:
         if not per_layer:
             num, den = num.sum(keepdims=True), den.sum(keepdims=True)
         w = np.clip(num / np.maximum(den, 1e-30), 0.0, 1.0)
@@ -105,3 +117,17 @@ def tune_shrinkage(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndar
         keep = best_err < base - 1e-12
         kappa, weight = np.where(keep, kappa, np.inf), np.where(keep, weight, 0.0)
     return Shrinkage(kappa.astype(np.float64), weight.astype(np.float64))
+
+
+def tune_shrinkage(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray,
+                   per_layer: bool = True) -> Shrinkage:
+    """kappa_l and w_l minimizing the squared error of a_r against the true activation y [R, L, E], with each
+    row's prototype mean ``proto`` [R, L, E] taken without the row (leave-one-out); for each kappa the best w
+    has a closed form (least squares in w, clipped to [0, 1]). ``per_layer=False``: one (kappa, w) for all."""
+    return _pick(*_kappa_sums(y, f, tok, proto), per_layer=per_layer)
+
+
+def tune_both(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray) -> tuple[Shrinkage, Shrinkage]:
+    """(one kappa, w for all layers; per layer): both :func:`tune_shrinkage` forms from one pass over the rows."""
+    base, terms = _kappa_sums(y, f, tok, proto)
+    return _pick(base, terms, per_layer=False), _pick(base, terms, per_layer=True)
