@@ -36,9 +36,10 @@ from eldr_cli.method.shrinkage import (
     loo_prototype_means,
     prefill_frequency,
     prototype_sums,
+    tune_both,
     tune_rows,
-    tune_shrinkage,
 )
+from eldr_cli.method.signature import rank_pool
 
 
 class DecodeActivation:
@@ -68,6 +69,9 @@ class DecodeActivation:
         if ok.sum() < 2:
             raise InvalidParameterError("signatures", "at least 2 calibration requests with decode steps are needed")
         S, steps = S[ok], steps[ok]
+        shrinking = self.shrink and prefill_counts is not None
+        pool = rank_pool()  # independent numpy work (it releases the GIL) in a second thread; the same values
+        freq = pool.submit(prefill_frequency, np.asarray(prefill_counts)[ok], top_k) if shrinking else None
         act = np.asarray(decode_counts)[ok].astype(np.float32) / steps[:, None, None].astype(np.float32)
         M = min(self.n_prototypes, int(ok.sum()) // 2)
         km = BalancedKMeans(M, balanced=False, seed=self.seed).fit(S)
@@ -85,20 +89,26 @@ class DecodeActivation:
         self.shrinkage_ = Shrinkage.none(act.shape[1])
         self.quality_: dict[str, dict[str, float]] | None = None
         self.predictor_ = "prototype"
-        if self.shrink and prefill_counts is not None:
-            pc = np.asarray(prefill_counts)[ok]
+        if freq is not None:
             y = np.clip(act, 0.0, MAX_ACTIVATION)
-            f, tok = prefill_frequency(pc, top_k)
+            f, tok = freq.result()
+            # clipping changed nothing (no activation above MAX_ACTIVATION): the sums above are y's
+            same = bool(act.max(initial=0.0) <= MAX_ACTIVATION and act.min(initial=0.0) >= 0.0)
+            # both forms, tuned again on (up to TUNE_ROWS of) every row, beside the measurement that picks one
+            tuned = pool.submit(_tune_on_all, y, f, tok, labels, M, self.seed, sums if same else None)
             self.quality_ = predictor_quality(S, y, f, tok, labels, M, seed=self.seed)
             self.predictor_ = choose(self.quality_)
-            if self.predictor_ != "prototype":  # the chosen form, tuned again on (up to TUNE_ROWS of) every row
-                sub = tune_rows(len(y), self.seed)
-                # clipping changed nothing (no activation above MAX_ACTIVATION): the sums above are y's
-                same = bool(act.max(initial=0.0) <= MAX_ACTIVATION and act.min(initial=0.0) >= 0.0)
-                loo = loo_prototype_means(y, labels, M, rows=sub, sums=sums if same else None)
-                self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo,
-                                                 per_layer=self.predictor_ == "shrinkage")
+            one, per_layer = tuned.result()
+            if self.predictor_ != "prototype":
+                self.shrinkage_ = per_layer if self.predictor_ == "shrinkage" else one
         return self
 
     def predict(self, signature: np.ndarray) -> int:
         return int(np.argmax(self.prototypes_ @ np.asarray(signature, dtype=np.float64)))
+
+
+def _tune_on_all(y, f, tok, labels, n_protos, seed, sums) -> tuple[Shrinkage, Shrinkage]:
+    """(one kappa, w; per layer) tuned on TUNE_ROWS of all rows against their leave-one-out prototype means."""
+    sub = tune_rows(len(y), seed)
+    loo = loo_prototype_means(y, labels, n_protos, rows=sub, sums=sums)
+    return tune_both(y[sub], f[sub], tok[sub], loo)
