@@ -90,10 +90,10 @@ class DecodeActivation:
         self.quality_: dict[str, dict[str, float]] | None = None
         self.predictor_ = "prototype"
         if freq is not None:
-            y = np.clip(act, 0.0, MAX_ACTIVATION)
-            f, tok = freq.result()
-            # clipping changed nothing (no activation above MAX_ACTIVATION): the sums above are y's
+            # clipping changes nothing where no activation is above MAX_ACTIVATION: then y is act, the sums above y's
             same = bool(act.max(initial=0.0) <= MAX_ACTIVATION and act.min(initial=0.0) >= 0.0)
+            y = act if same else np.clip(act, 0.0, MAX_ACTIVATION)
+            f, tok = freq.result()
             # both forms, tuned again on (up to TUNE_ROWS of) every row, beside the measurement that picks one
             tuned = pool.submit(_tune_on_all, y, f, tok, labels, M, self.seed, sums if same else None)
             self.quality_ = predictor_quality(S, y, f, tok, labels, M, seed=self.seed)

@@ -25,9 +25,9 @@ def tune_rows(n: int, seed: int) -> np.ndarray:
 def prefill_frequency(counts: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(f [..., L, E] float32: the share of a layer's prompt tokens that picked each expert, T [..., L]: the
     prompt tokens routed at each layer) of prefill counts [..., L, E] (int); dense layers: f 0, T 0."""
-    c = np.asarray(counts, dtype=np.float32)
-    tok = c.sum(axis=-1) / float(max(top_k, 1))
-    f = c / np.maximum(tok, 1e-9)[..., None]
+    f = np.array(counts, dtype=np.float32)  # a copy, divided in place
+    tok = f.sum(axis=-1) / float(max(top_k, 1))
+    f /= np.maximum(tok, 1e-9)[..., None]
     return np.clip(f, 0.0, 1.0, out=f), tok
 
 
