@@ -52,11 +52,24 @@ class Shrinkage:
         return cls(np.full(n_layers, np.inf), np.zeros(n_layers))
 
 
+SUM_BLOCK = 512  # columns of the rows' activations converted to float64 at a time (one reused buffer)
+
+
 def prototype_sums(act: np.ndarray, labels: np.ndarray, n_protos: int) -> np.ndarray:
-    """Sum of the rows' activations per prototype [M, L, E] (float64; one matrix product)."""
+    """Sum of the rows' activations per prototype [M, L, E] (float64; a matrix product of the prototypes' one-hot
+    membership with the float64 activations, a block of columns at a time: BLAS sums each output over the rows in
+    the same order whatever the block, so the values are those of one product, without an [R, L * E] float64 copy)."""
     onehot = np.zeros((n_protos, len(act)))
     onehot[labels, np.arange(len(act))] = 1.0
-    return (onehot @ act.reshape(len(act), -1).astype(np.float64)).reshape(n_protos, *act.shape[1:])
+    flat = act.reshape(len(act), -1)
+    out = np.empty((n_protos, flat.shape[1]))
+    buf = np.empty((len(act), min(SUM_BLOCK, flat.shape[1])))
+    for a in range(0, flat.shape[1], SUM_BLOCK):
+        cols = flat[:, a:a + SUM_BLOCK]
+        x = buf if cols.shape[1] == buf.shape[1] else np.empty(cols.shape)
+        x[...] = cols
+        np.matmul(onehot, x, out=out[:, a:a + SUM_BLOCK])
+    return out.reshape(n_protos, *act.shape[1:])
 
 
 def loo_prototype_means(act: np.ndarray, labels: np.ndarray, n_protos: int, rows: np.ndarray | None = None,
