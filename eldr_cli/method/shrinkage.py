@@ -137,7 +137,8 @@ def tune_shrinkage(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndar
     """kappa_l and w_l minimizing the squared error of a_r against the true activation y [R, L, E], with each
     row's prototype mean ``proto`` [R, L, E] taken without the row (leave-one-out); for each kappa the best w
     has a closed form (least squares in w, clipped to [0, 1]). ``per_layer=False``: one (kappa, w) for all."""
-    return _pick(*_kappa_sums(y, f, tok, proto), per_layer=per_layer)
+    base, terms = _kappa_sums(y, f, tok, proto)
+    return _pick(base, terms, per_layer=per_layer)
 
 
 def tune_both(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray) -> tuple[Shrinkage, Shrinkage]:
