@@ -89,9 +89,18 @@ def scores(a: np.ndarray, held: HeldBack) -> dict[str, float]:
     return out
 
 
+def _knn(S: np.ndarray, y: np.ndarray, held: np.ndarray, rest: np.ndarray, k: int = 8) -> np.ndarray:
+    """The ablation knn-k: each held-back row's mean true activation of its k nearest held-in rows by signature."""
+    Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
+    near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :k]
+    return y[rest[near]].mean(axis=1).astype(np.float32)
+
+
 def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
-    """Each candidate's predictions for the held-back rows, built from the other rows only."""
+    """Each candidate's predictions for the held-back rows, built from the other rows only (the knn ablation in
+    the fit's second thread)."""
     rest = np.flatnonzero(~held)
+    knn = rank_pool().submit(_knn, S, y, held, rest)
     y_rest, lab_rest = y[rest], labels[rest]
     sums = prototype_sums(y_rest, lab_rest, n_protos)
     n = np.bincount(lab_rest, minlength=n_protos)
@@ -107,9 +116,7 @@ def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
         out[name] = shrink(fh, th, proto, sh.kappa, sh.weight)
     L = y.shape[1]
     out["own"] = shrink(fh, th, proto, np.zeros(L), np.ones(L))
-    Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
-    near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :8]
-    out["knn-8"] = y_rest[near].mean(axis=1).astype(np.float32)
+    out["knn-8"] = knn.result()
     return out
 
 
