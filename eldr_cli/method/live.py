@@ -68,11 +68,13 @@ class DecodeActivation:
         ok = (steps > 0) & (np.linalg.norm(S, axis=1) > 0)
         if ok.sum() < 2:
             raise InvalidParameterError("signatures", "at least 2 calibration requests with decode steps are needed")
-        S, steps = S[ok], steps[ok]
+        kept = (lambda a: a) if ok.all() else (lambda a: a[ok])  # no copy of [R, L, E] arrays where every row stays
+        S, steps = kept(S), kept(steps)
         shrinking = self.shrink and prefill_counts is not None
         pool = rank_pool()  # independent numpy work (it releases the GIL) in a second thread; the same values
-        freq = pool.submit(prefill_frequency, np.asarray(prefill_counts)[ok], top_k) if shrinking else None
-        act = np.asarray(decode_counts)[ok].astype(np.float32) / steps[:, None, None].astype(np.float32)
+        freq = pool.submit(prefill_frequency, kept(np.asarray(prefill_counts)), top_k) if shrinking else None
+        act = kept(np.asarray(decode_counts)).astype(np.float32)
+        act /= steps[:, None, None].astype(np.float32)
         M = min(self.n_prototypes, int(ok.sum()) // 2)
         km = BalancedKMeans(M, balanced=False, seed=self.seed).fit(S)
         labels = np.asarray(km.labels_)
