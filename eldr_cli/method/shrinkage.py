@@ -97,15 +97,19 @@ def _kappa_sums(y: np.ndarray, f: np.ndarray, tok: np.ndarray, proto: np.ndarray
     products go through reused buffers (the same float32 products and float64 sums as fresh arrays)."""
     resid = proto - y
     d = f - proto
-    base = (resid.astype(np.float64) ** 2).sum(axis=(0, 2))
     gd, prod, sq = np.empty_like(d), np.empty_like(d), np.empty(d.shape, dtype=np.float64)
+
+    def sum_sq(x: np.ndarray) -> np.ndarray:  # sum over rows and experts of float64(x)^2 (exact squares), per layer
+        np.copyto(sq, x)
+        return np.multiply(sq, sq, out=sq).sum(axis=(0, 2))
+
+    base = sum_sq(resid)
     terms = []
     for k in KAPPAS[:-1]:
         g = (tok / (tok + k)) if k > 0 else (tok > 0).astype(np.float32)  # [R, L]
         np.multiply(g[..., None], d, out=gd)
         num = -np.multiply(resid, gd, out=prod).sum(axis=(0, 2), dtype=np.float64)
-        den = np.square(gd, out=sq, dtype=np.float64).sum(axis=(0, 2))
-        terms.append((k, num, den))
+        terms.append((k, num, sum_sq(gd)))
     return base, terms
 
 
