@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.base import ROOT, environment, parser, write_result
+from benchmarks.base import ROOT, environment, order, paired_interval, parser, tree_at, write_result
 
 # the console script of the checkout's .venv, else the one beside this interpreter (a shared venv)
 # every subcommand's --help is timed (target <= 0.3 s each)
@@ -31,6 +31,8 @@ HELP_COMMANDS = [(), ("inspect",), ("synth-trace",), ("fit-idf",), ("select-laye
                  ("place-experts", "evaluate"), ("bench",), ("bench", "serve"), ("bench", "sweep"),
                  ("bench", "simulate"), ("bench", "moe-layer"), ("bench", "cost-model"), ("bench", "show"),
                  ("report",)]
+# issue 35's budget: `eldr fit` at this size not slower than the tree before issue 35 (its parent commit)
+BEFORE_ISSUE_35 = "a7786f8"
 ELDR = ROOT / ".venv/bin/eldr" if (ROOT / ".venv/bin/eldr").exists() else Path(sys.executable).with_name("eldr")
 
 
@@ -47,13 +49,71 @@ def _clustered(n, d, k, seed, dtype=np.float64):
     return X
 
 
-def bench_fit_small(repeats: int):
-    """eldr fit on N=1000, L=48, E=128, K=16, 20k pairs, all transforms."""
+def _fit_once(trace: Path, out: Path, tree: Path) -> tuple[float, float]:
+    """(wall s, CPU s) of one whole `eldr fit` with ``PYTHONPATH=tree`` (that tree's eldr_cli, whichever
+    checkout a shared venv's console script was installed from)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run([str(ELDR), "fit", "--trace", str(trace), "--decoders", "16", "--out", str(out)],
+                   check=True, capture_output=True, env=env)
+    wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime
+
+
+def _command_runs(trace: Path, tmp: Path, rounds: int, before: Path | None) -> dict:
+    """``rounds`` runs of this tree's `eldr fit` (with their phases) and, with a ``before`` tree, as many of
+    its, alternating (before, after / after, before) so drift in the machine's load falls on both."""
+    arms = ["before", "after"] if before is not None else ["after"]
+    out: dict = {arm: {"wall_s": [], "cpu_s": []} for arm in arms}
+    out["phases"] = []
+    for r in range(rounds):
+        for arm in order(arms, r):
+            dst = tmp / f"cmd-{arm}{r}"
+            wall, cpu = _fit_once(trace, dst, before if arm == "before" else ROOT)
+            out[arm]["wall_s"].append(wall)
+            out[arm]["cpu_s"].append(cpu)
+            if arm == "after":
+                out["phases"].append(_phases(dst, wall))
+    return out
+
+
+def _phases(fit: Path, wall: float) -> dict[str, float]:
+    ph = json.loads((fit / "manifest.json").read_text())["metrics"]["phase_s"]
+    for sub, key in (("layers", "select_layers"), ("routing", "cluster")):
+        fig = json.loads((fit / sub / "manifest.json").read_text())["metrics"].get("figures_s", 0.0)
+        ph[key] -= fig
+        ph[f"{key}_figures"] = fig
+    ph["start-up + exit"] = wall - sum(ph.values())
+    return ph
+
+
+def _paired(runs: dict, rev: str) -> dict:
+    """after - before per round (wall and CPU) with its 95% t-interval; MEASURED."""
+    res: dict = {"before_rev": rev, "rounds": len(runs["after"]["wall_s"]), "label": "MEASURED",
+                 "runs": {arm: runs[arm] for arm in ("before", "after")}}
+    for key in ("wall_s", "cpu_s"):
+        a, b = runs["after"][key], runs["before"][key]
+        res[key] = {"before_median": statistics.median(b), "after_median": statistics.median(a),
+                    "after_minus_before": paired_interval(a, b)}
+    return res
+
+
+def bench_fit_small(repeats: int, paired_rounds: int = 0, before_rev: str = BEFORE_ISSUE_35):
+    """eldr fit on N=1000, L=48, E=128, K=16, 20k pairs, all transforms; with ``paired_rounds``, the whole
+    command paired with the tree at ``before_rev``."""
     from eldr_cli.artifacts.trace import write_trace
     from eldr_cli.pipeline.fit import run_fit
     from eldr_cli.synth import synthetic_trace
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-fit-"))
+    before, skipped = None, "--paired-rounds 0"
+    if paired_rounds:
+        try:
+            before = tree_at(before_rev, tmp / "before")
+        except subprocess.CalledProcessError as e:  # not a git checkout, or the commit is not in it
+            skipped = f"no tree at {before_rev}: {(e.stderr or b'').decode(errors='replace').strip()[:200]}"
     trace = tmp / "trace"
     write_trace(trace, synthetic_trace(1250, 48, 128, 8, seed=0))  # 80% calibration split = 1000
     fit_s, stage_s = [], []
@@ -63,24 +123,11 @@ def bench_fit_small(repeats: int):
         stage_s.append(time.perf_counter() - t0)
         fit_s.append(json.loads((tmp / f"fit{i}" / "manifest.json").read_text())["metrics"]["fit_s"])
     # the whole command, start-up and figures included, split by phase (the fit manifest's phase_s;
-    # "start-up + exit" = wall - the phases: interpreter, imports, argument parsing, exit)
-    cmd_s, cmd_cpu_s, phases = [], [], []
-    for i in range(max(3, repeats)):
-        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        t0 = time.perf_counter()
-        subprocess.run([str(ELDR), "fit", "--trace", str(trace), "--decoders", "16",
-                        "--out", str(tmp / f"cmd{i}")], check=True, capture_output=True)
-        wall = time.perf_counter() - t0
-        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cmd_s.append(wall)
-        cmd_cpu_s.append(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime)
-        ph = json.loads((tmp / f"cmd{i}" / "manifest.json").read_text())["metrics"]["phase_s"]
-        for sub, key in (("layers", "select_layers"), ("routing", "cluster")):
-            fig = json.loads((tmp / f"cmd{i}" / sub / "manifest.json").read_text())["metrics"].get("figures_s", 0.0)
-            ph[key] -= fig
-            ph[f"{key}_figures"] = fig
-        ph["start-up + exit"] = wall - sum(ph.values())
-        phases.append(ph)
+    # "start-up + exit" = wall - the phases: interpreter, imports, argument parsing, exit); with a
+    # "before" tree, each round also runs its `eldr fit` (order alternating) for the paired difference
+    cmd_runs = _command_runs(trace, tmp, max(3, repeats, paired_rounds), before)
+    cmd_s, cmd_cpu_s = cmd_runs["after"]["wall_s"], cmd_runs["after"]["cpu_s"]
+    phases = cmd_runs["phases"]
     help_s, help_cpu_s, help_failed = {}, {}, {}
     for sub in HELP_COMMANDS:
         runs, cpus = [], []
@@ -99,6 +146,7 @@ def bench_fit_small(repeats: int):
     lay = json.loads((tmp / "fit0" / "layers" / "manifest.json").read_text())["metrics"]
     rt = json.loads((tmp / "fit0" / "routing" / "manifest.json").read_text())["metrics"]
     return {
+        "paired": _paired(cmd_runs, before_rev) if before is not None else {"skipped": skipped},
         "n_signatures": 1000, "L": 48, "E": 128, "K": 16, "pairs": 20000,
         "fit_median_s": statistics.median(stage_s), "fit_runs_s": stage_s,
         "fit_compute_median_s": statistics.median(fit_s),
@@ -130,6 +178,25 @@ def phase_table(f):
     t.add_row("  over 0.3 s", ", ".join(slow) or "none")
     if f.get("help_failed"):
         t.add_row("  --help failed", ", ".join(f["help_failed"]))
+    return t
+
+
+def paired_table(f):
+    """The whole command against the tree before issue 35 (its budget: not slower), or why it was skipped."""
+    from rich.table import Table
+
+    p = f["paired"]
+    if "skipped" in p:
+        return f"paired run skipped: {p['skipped']}"
+    t = Table(title=f"`eldr fit` paired with {p['before_rev']} (the tree before issue 35), {p['rounds']} rounds, "
+                    "order alternating; MEASURED")
+    for c in ("", "before median", "this tree median", "this - before, mean [95% CI]", "verdict"):
+        t.add_column(c)
+    for key, name in (("wall_s", "wall s"), ("cpu_s", "CPU s")):
+        x = p[key]
+        d = x["after_minus_before"]
+        t.add_row(name, f"{x['before_median']:.2f}", f"{x['after_median']:.2f}",
+                  f"{d['mean']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]", d["verdict"])
     return t
 
 
@@ -239,6 +306,10 @@ def main(argv=None):
     ap.add_argument("--large-n", type=int, default=100_000)
     ap.add_argument("--large-iter", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--paired-rounds", type=int, default=8,
+                    help="rounds of `eldr fit` alternated with the --before tree (0: none)")
+    ap.add_argument("--before", default=BEFORE_ISSUE_35,
+                    help="commit of the paired run's before arm (default: the tree before issue 35)")
     ap.add_argument("--only-fit", action="store_true", help="only the fit command and --help timings")
     ap.add_argument("--child-large", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -254,9 +325,11 @@ def main(argv=None):
     res = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}}
     con.print("[bold]bench-fit[/] (generated data)")
     res["machine"]["loadavg_start"] = os.getloadavg()
-    res["fit"] = bench_fit_small(2 if a.quick else a.repeats)
+    res["fit"] = bench_fit_small(2 if a.quick else a.repeats, min(a.paired_rounds, 2) if a.quick else a.paired_rounds,
+                                 a.before)
     res["machine"]["loadavg_after_fit"] = os.getloadavg()
     con.print(phase_table(res["fit"]))
+    con.print(paired_table(res["fit"]))
     if a.only_fit:
         con.print(f"figures written to {write_result(a.out, res, env)}")
         return 0

@@ -36,9 +36,10 @@ from eldr_cli.method.shrinkage import (
     loo_prototype_means,
     prefill_frequency,
     prototype_sums,
+    tune_both,
     tune_rows,
-    tune_shrinkage,
 )
+from eldr_cli.method.signature import rank_pool
 
 
 class DecodeActivation:
@@ -67,8 +68,13 @@ class DecodeActivation:
         ok = (steps > 0) & (np.linalg.norm(S, axis=1) > 0)
         if ok.sum() < 2:
             raise InvalidParameterError("signatures", "at least 2 calibration requests with decode steps are needed")
-        S, steps = S[ok], steps[ok]
-        act = np.asarray(decode_counts)[ok].astype(np.float32) / steps[:, None, None].astype(np.float32)
+        kept = (lambda a: a) if ok.all() else (lambda a: a[ok])  # no copy of [R, L, E] arrays where every row stays
+        S, steps = kept(S), kept(steps)
+        shrinking = self.shrink and prefill_counts is not None
+        pool = rank_pool()  # independent numpy work (it releases the GIL) in a second thread; the same values
+        freq = pool.submit(prefill_frequency, kept(np.asarray(prefill_counts)), top_k) if shrinking else None
+        act = kept(np.asarray(decode_counts)).astype(np.float32)
+        act /= steps[:, None, None].astype(np.float32)
         M = min(self.n_prototypes, int(ok.sum()) // 2)
         km = BalancedKMeans(M, balanced=False, seed=self.seed).fit(S)
         labels = np.asarray(km.labels_)
@@ -85,18 +91,26 @@ class DecodeActivation:
         self.shrinkage_ = Shrinkage.none(act.shape[1])
         self.quality_: dict[str, dict[str, float]] | None = None
         self.predictor_ = "prototype"
-        if self.shrink and prefill_counts is not None:
-            pc = np.asarray(prefill_counts)[ok]
-            y = np.clip(act, 0.0, MAX_ACTIVATION)
-            f, tok = prefill_frequency(pc, top_k)
+        if freq is not None:
+            # clipping changes nothing where no activation is above MAX_ACTIVATION: then y is act, the sums above y's
+            same = bool(act.max(initial=0.0) <= MAX_ACTIVATION and act.min(initial=0.0) >= 0.0)
+            y = act if same else np.clip(act, 0.0, MAX_ACTIVATION)
+            f, tok = freq.result()
+            # both forms, tuned again on (up to TUNE_ROWS of) every row, beside the measurement that picks one
+            tuned = pool.submit(_tune_on_all, y, f, tok, labels, M, self.seed, sums if same else None)
             self.quality_ = predictor_quality(S, y, f, tok, labels, M, seed=self.seed)
             self.predictor_ = choose(self.quality_)
-            if self.predictor_ != "prototype":  # the chosen form, tuned again on (up to TUNE_ROWS of) every row
-                loo = loo_prototype_means(y, labels, M)
-                sub = tune_rows(len(y), self.seed)
-                self.shrinkage_ = tune_shrinkage(y[sub], f[sub], tok[sub], loo[sub],
-                                                 per_layer=self.predictor_ == "shrinkage")
+            one, per_layer = tuned.result()
+            if self.predictor_ != "prototype":
+                self.shrinkage_ = per_layer if self.predictor_ == "shrinkage" else one
         return self
 
     def predict(self, signature: np.ndarray) -> int:
         return int(np.argmax(self.prototypes_ @ np.asarray(signature, dtype=np.float64)))
+
+
+def _tune_on_all(y, f, tok, labels, n_protos, seed, sums) -> tuple[Shrinkage, Shrinkage]:
+    """(one kappa, w; per layer) tuned on TUNE_ROWS of all rows against their leave-one-out prototype means."""
+    sub = tune_rows(len(y), seed)
+    loo = loo_prototype_means(y, labels, n_protos, rows=sub, sums=sums)
+    return tune_both(y[sub], f[sub], tok[sub], loo)

@@ -27,9 +27,10 @@ from eldr_cli.method.shrinkage import (
     loo_prototype_means,
     prototype_sums,
     shrink,
+    tune_both,
     tune_rows,
-    tune_shrinkage,
 )
+from eldr_cli.method.signature import rank_pool
 
 SERVABLE = ("prototype", "shrinkage-global", "shrinkage")  # in order of simplicity
 HOLD_BACK = 0.25
@@ -40,7 +41,9 @@ MAX_HELD = 128  # held-back rows at most (the measurement's cost stays bounded a
 
 
 def _log_idle(a: np.ndarray) -> np.ndarray:
-    return np.log1p(-np.clip(a.reshape(len(a), -1).astype(np.float64), 0.0, 1.0 - 1e-7)).astype(np.float32)
+    """log(1 - a) [R, L * E] (float32) of activations [R, L, E] or [R, L * E]; a read as at most 1 - 1e-7."""
+    q = np.clip(np.asarray(a.reshape(len(a), -1), dtype=np.float64), 0.0, 1.0 - 1e-7)
+    return np.log1p(np.negative(q, out=q), out=q).astype(np.float32)
 
 
 def _membership(batches: np.ndarray, n_rows: int) -> np.ndarray:
@@ -56,46 +59,64 @@ def _union(log_idle: np.ndarray, member: np.ndarray) -> np.ndarray:
     return (1.0 - np.exp(member @ log_idle)).sum(axis=1, dtype=np.float64)
 
 
-def scores(a: np.ndarray, y: np.ndarray, batches: dict[int, np.ndarray],
-           truth: dict[int, np.ndarray] | None = None) -> dict[str, float]:
-    """The metrics of predictions ``a`` against the truth ``y`` (both [R, L, E]); ``truth``: the true unions per
-    batch size, when already computed."""
-    a2, y2 = a.reshape(len(a), -1).astype(np.float64), y.reshape(len(y), -1).astype(np.float64)
+class HeldBack:
+    """What every candidate is scored against, computed once: the held-back rows' true activations ``y`` [R, L, E]
+    (as float64 [R, L * E], and 1 - y), and per batch size its rows' membership counts and true unions."""
+
+    def __init__(self, y: np.ndarray, batches: dict[int, np.ndarray]):
+        self.y = y.reshape(len(y), -1).astype(np.float64)
+        self.not_y = 1 - self.y
+        self.member = {b: _membership(idx, len(y)) for b, idx in batches.items()}
+        log_idle = _log_idle(self.y)
+        self.truth = {b: _union(log_idle, m) for b, m in self.member.items()}
+
+
+def scores(a: np.ndarray, held: HeldBack) -> dict[str, float]:
+    """The metrics of predictions ``a`` [R, L, E] against the held-back truth."""
+    a2 = a.reshape(len(a), -1).astype(np.float64)
     p = np.clip(a2, LOSS_FLOOR, MAX_ACTIVATION)
-    out = {"brier": float(((a2 - y2) ** 2).mean()),
-           "log_loss": float(-(y2 * np.log(p) + (1 - y2) * np.log1p(-p)).mean())}
-    la, ly = _log_idle(a2), None
-    for b, idx in batches.items():
-        member = _membership(idx, len(a2))
-        if truth is None or b not in truth:
-            ly = _log_idle(y2) if ly is None else ly
-            ut = _union(ly, member)
-        else:
-            ut = truth[b]
+    brier = np.subtract(a2, held.y)
+    loss = np.log(p)
+    loss *= held.y
+    idle = np.log1p(np.negative(p, out=p), out=p)  # log(1 - p)
+    idle *= held.not_y
+    loss += idle
+    out = {"brier": float(np.square(brier, out=brier).mean()), "log_loss": float(np.negative(loss, out=loss).mean())}
+    la = _log_idle(a2)
+    for b, member in held.member.items():
+        ut = held.truth[b]
         out[f"union_err_pct_b{b}"] = float(100 * np.mean(np.abs(_union(la, member) - ut) / np.maximum(ut, 1e-9)))
     return out
 
 
+def _knn(S: np.ndarray, y: np.ndarray, held: np.ndarray, rest: np.ndarray, k: int = 8) -> np.ndarray:
+    """The ablation knn-k: each held-back row's mean true activation of its k nearest held-in rows by signature."""
+    Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
+    near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :k]
+    return y[rest[near]].mean(axis=1).astype(np.float32)
+
+
 def _candidates(S, y, f, tok, labels, n_protos, held) -> dict[str, np.ndarray]:
-    """Each candidate's predictions for the held-back rows, built from the other rows only."""
-    rest = ~held
-    sums = prototype_sums(y[rest], labels[rest], n_protos)
-    n = np.bincount(labels[rest], minlength=n_protos)
-    mean = y[rest].mean(axis=0)
+    """Each candidate's predictions for the held-back rows, built from the other rows only (the knn ablation in
+    the fit's second thread)."""
+    rest = np.flatnonzero(~held)
+    knn = rank_pool().submit(_knn, S, y, held, rest)
+    y_rest, lab_rest = y[rest], labels[rest]
+    sums = prototype_sums(y_rest, lab_rest, n_protos)
+    n = np.bincount(lab_rest, minlength=n_protos)
+    mean = y_rest.mean(axis=0)
     proto_means = np.where((n > 0)[:, None, None], sums / np.maximum(n, 1)[:, None, None], mean)
     proto = proto_means[labels[held]].astype(np.float32)
-    loo = loo_prototype_means(y[rest], labels[rest], n_protos)
-    sub = tune_rows(int(rest.sum()), 0)
-    yr, fr, tr = y[rest][sub], f[rest][sub], tok[rest][sub]
+    sub = tune_rows(len(rest), 0)
+    loo = loo_prototype_means(y_rest, lab_rest, n_protos, rows=sub, sums=sums)
     out = {"prototype": proto}
-    for name, per_layer in (("shrinkage-global", False), ("shrinkage", True)):
-        sh = tune_shrinkage(yr, fr, tr, loo[sub], per_layer=per_layer)
-        out[name] = shrink(f[held], tok[held], proto, sh.kappa, sh.weight)
+    fh, th = f[held], tok[held]
+    tuned = tune_both(y_rest[sub], f[rest[sub]], tok[rest[sub]], loo)  # (global, per layer) from one pass
+    for name, sh in zip(("shrinkage-global", "shrinkage"), tuned, strict=True):
+        out[name] = shrink(fh, th, proto, sh.kappa, sh.weight)
     L = y.shape[1]
-    out["own"] = shrink(f[held], tok[held], proto, np.zeros(L), np.ones(L))
-    Su = S / np.maximum(np.linalg.norm(S, axis=1, keepdims=True), 1e-12)
-    near = np.argsort(-(Su[held] @ Su[rest].T), axis=1)[:, :8]
-    out["knn-8"] = y[rest][near].mean(axis=1).astype(np.float32)
+    out["own"] = shrink(fh, th, proto, np.zeros(L), np.ones(L))
+    out["knn-8"] = knn.result()
     return out
 
 
@@ -115,12 +136,10 @@ def predictor_quality(S: np.ndarray, y: np.ndarray, f: np.ndarray, tok: np.ndarr
     held[rng.choice(R, size=n_held, replace=False)] = True
     batches = {b: rng.integers(0, n_held, size=(N_BATCHES, b)) for b in BATCHES}
     yh = y[held]
-    ly = _log_idle(yh)
-    truth = {b: _union(ly, _membership(idx, len(yh))) for b, idx in batches.items()}
-    out = {name: scores(a, yh, batches, truth)
-           for name, a in _candidates(S, y, f, tok, labels, n_protos, held).items()}
-    out["clairvoyant"] = scores(yh, yh, batches, truth)
-    return out
+    truth = HeldBack(yh, batches)
+    cands = {**_candidates(S, y, f, tok, labels, n_protos, held), "clairvoyant": yh}
+    # candidates scored in two threads (numpy releases the GIL; each score is computed as alone)
+    return dict(zip(cands, rank_pool().map(lambda a: scores(a, truth), cands.values()), strict=True))
 
 
 def choose(quality: dict[str, dict[str, float]] | None) -> str:
