@@ -80,6 +80,10 @@ class PrefillPredictor:
             self._w = np.where(inf, 0.0, w).astype(np.float32)
             self._kappa = np.where(inf, 1.0, kappa).astype(np.float32)
             self._inv_k = np.float32(1.0 / max(model.top_k, 1))
+            self._a_max = np.float32(MAX_ACTIVATION)
+        from eldr_cli.routing.compiled import warm
+
+        warm()  # the request path's compiled loops are ready before the first request
 
     def mean(self) -> LiveEntry:
         return self.entries[-1]
@@ -92,22 +96,34 @@ class PrefillPredictor:
         """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape)."""
         if counts is None:
             return None
-        sig = self.model.signature(counts, unit=False)
+        c = np.asarray(counts)
+        sig = self.model.signature(c, unit=False)
         if not sig.any():
             return self.mean()
         m = int((self.protos @ sig.astype(np.float32, copy=False)).argmax())
         if self.shrinkage is None:
             return self.entries[m]
-        # method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c
+        if c.dtype.kind in "iu":  # one compiled pass (routing.compiled), bit-identical to _shrunk
+            from eldr_cli.routing.compiled import shrunk_activation
+
+            a = np.empty(c.size, dtype=np.float32)
+            log_idle = np.empty(c.size, dtype=np.float32)
+            if shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a, log_idle):
+                return LiveEntry(a, np.log1p(log_idle, out=log_idle), m)
+        a = self._shrunk(c, m)
+        return LiveEntry(a, np.log1p(-a), m)
+
+    def _shrunk(self, counts: np.ndarray, m: int) -> np.ndarray:
+        """method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c, flat
+        [L*E] (the numpy form of ``routing.compiled.shrunk_activation``)."""
         c = np.array(counts, dtype=np.float32)  # a copy: scaled in place below
         tok = c.sum(axis=1) * self._inv_k
         lam = self._w * tok / np.maximum(tok + self._kappa, np.float32(1e-9))
         a = self.act[m] * (1 - lam)[:, None]
         c *= (lam / np.maximum(tok, np.float32(1e-9)))[:, None]
         a += c
-        np.minimum(a, np.float32(MAX_ACTIVATION), out=a)
-        a = a.reshape(-1)
-        return LiveEntry(a, np.log1p(-a), m)
+        np.minimum(a, self._a_max, out=a)
+        return a.reshape(-1)
 
 
 class FutureSource:
