@@ -66,6 +66,11 @@ class LiveDetail(NamedTuple):
     def prototype(self) -> int:
         return self.entry.prototype
 
+    @property
+    def cells(self) -> np.ndarray | None:
+        """The request's Eq. 2 cells (float64 [N* x E], not normalized; None when not predicted from its counts)."""
+        return self.entry.cells
+
 
 def step_form(cost, n_layers: int) -> StepTerms:
     """The decode step's form (``CostModel.step_terms``) eldr-live predicts with."""
