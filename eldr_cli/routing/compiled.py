@@ -24,6 +24,8 @@ import math
 import numpy as np
 from numba import njit
 
+from eldr_cli.costmodel import step_ms_from_terms
+
 # method.signature.SERVABLE_TRANSFORMS -> the loop's branch (count-idf's IDF is folded into the weights)
 TRANSFORM_CODE = {"count": 0, "count-idf": 0, "sqrt": 1, "binary": 2}
 EXACT_F32 = 1 << 24  # integers below this are exact in float32, and so is every partial sum below it
@@ -88,6 +90,26 @@ def shrunk_activation(counts, act, w, kappa, inv_k, a_max, a, neg_a):  # pragma:
     return True
 
 
+_step = _compiled(step_ms_from_terms)  # the one step formula, compiled (as the simulator's step_time)
+
+
+@_compiled
+def live_costs(terms, loads, active, ctx, added, c_new, cost, growth):  # pragma: no cover - compiled
+    """eldr-live's per-decoder cost and its growth per unseen request (``EldrLivePolicy._choose``'s rule) into
+    ``cost``, ``growth`` [K] float64, from ``terms`` (the 8 step terms, float64), ``loads`` [K] int, ``active``,
+    ``ctx`` [K] float64 (A_d, C_d), ``added`` [K] float64 (dA_d) and the request's context tokens ``c_new``:
+    T = step(A, B, C) (0 when idle), T1 = step(A + dA, B + 1, C + c_new), cost = T1 + B (T1 - T),
+    growth = T1 - step(A, B, C) + kt; the same double operations in the same order as on Python floats."""
+    kt = terms[2]
+    for k in range(loads.shape[0]):
+        b = float(loads[k])
+        tb = _step(terms, active[k], b, ctx[k])
+        t = tb if b > 0 else 0.0
+        t1 = _step(terms, active[k] + added[k], b + 1, ctx[k] + c_new)
+        cost[k] = t1 + b * (t1 - t)
+        growth[k] = t1 - tb + kt
+
+
 def warm() -> None:
     """Load (or compile) both loops for the counts the proxy decodes (int64 [L, E]) now, not on the first
     request: loading takes a fraction of a second, compiling a few (once per machine, then cached)."""
@@ -97,3 +119,5 @@ def warm() -> None:
     a = np.empty(2, dtype=np.float32)
     f = np.ones(1, dtype=np.float32)
     shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a, a.copy())
+    z = np.zeros(1)
+    live_costs(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, z, 0, z.copy(), z.copy())
