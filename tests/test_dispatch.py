@@ -100,3 +100,32 @@ def test_a_row_that_does_not_match_the_schema_is_refused_naming_its_line_and_fie
     path.write_text("\n".join([lines[0], json.dumps(bad), lines[2]]) + "\n")
     with pytest.raises(EldrError, match=r"line 2 does not match decision-log\.v2\.schema\.json at loads/1"):
         read_rows(path)
+
+
+
+def test_a_signature_decodes_to_its_counts_and_refuses_what_the_standard_library_refuses():
+    """The hand-off's base64 (pybase64 where installed) gives the counts back and takes exactly the data fields the
+    standard library's ``b64decode(validate=True)`` takes: excess padding (which pybase64 alone refuses) decodes as
+    before; whitespace, the URL-safe alphabet, missing or leading padding are refused by both."""
+    import base64
+
+    import numpy as np
+
+    from eldr_cli.handoff import SignatureDecodeError, _b64decode, decode_counts
+
+    counts = np.random.default_rng(0).integers(0, 300, size=(6, 10))
+    enc = encode_counts(counts)
+    got = decode_counts(enc)
+    assert got.dtype == np.int64 and got.tolist() == counts.tolist()
+    with pytest.raises(SignatureDecodeError):
+        decode_counts({**enc, "data": " " + enc["data"]})
+    for data in ("QUJD", "QQ==", "QUJD====", "QQ", "QQ=", "=QUJD", "QU JD", "QUJD\n", "QUJ-", "QUJ_", "é"):
+        try:
+            want: bytes | None = base64.b64decode(data, validate=True)
+        except ValueError:
+            want = None
+        try:
+            have: bytes | None = _b64decode(data)
+        except ValueError:
+            have = None
+        assert have == want, data

@@ -92,9 +92,10 @@ def test_proxy_exports_drift_and_health_says_so(tmp_path):
 
 
 def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_queue(tmp_path):
-    """The watch's window from decoded counts (what the hand-off queues when it decoded them) is the one from the
-    signatures as they arrived, equal to the monitor fed one request at a time; its CPU is counted; a full queue
-    skips (counted) and never blocks the request path."""
+    """The watch's window from decoded counts (what the hand-off queues when it decoded them) and from the decision's
+    Eq. 2 cells (what eldr-live's hand-off queues) is the one from the signatures as they arrived, equal to the
+    monitor fed one request at a time; cells of a routing model no longer current are not scored; its CPU is
+    counted; a full queue skips (counted) and never blocks the request path."""
     from types import SimpleNamespace
 
     from eldr_cli.handoff import encode_counts
@@ -107,7 +108,8 @@ def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_que
     for c in held:
         ref.observe(model.signature(c))
     snaps = []
-    for items in (list(held), [encode_counts(c) for c in held]):
+    cells = [(model, model.signature(c, unit=False)) for c in held]
+    for items in (list(held), [encode_counts(c) for c in held], cells):
         w = DriftWatch(state)
         try:
             for x in items:
@@ -118,7 +120,15 @@ def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_que
             assert w.scored == len(held) and w.dropped == 0 and w.cpu_s > 0
         finally:
             w.close()
-    assert snaps[0] == snaps[1]  # the same window whichever the hand-off queued
+    assert snaps[0] == snaps[1] == snaps[2]  # the same window whichever the hand-off queued
+    w = DriftWatch(state)
+    try:
+        for _, x in cells[:5]:
+            w.observe((RoutingModel.load(fit), x))  # another model object: an artifact reloaded since
+        w.drain()
+        assert w.scored == 5 and (w.snapshot() or {}).get("requests", 0) == 0
+    finally:
+        w.close()
     want = ref.snapshot()
     assert snaps[0] == {**want, **{k: pytest.approx(want[k], rel=1e-12) for k in
                                    ("centroid_similarity", "prototype_similarity")}}

@@ -91,3 +91,72 @@ def test_the_shrinkage_weight_changes_the_decision(weight, expected):
     d = router.decide(np.array([[3, 0, 0, 5]]), [2, 2])
     assert d.worker == expected
     assert d.detail.prototype == 0
+
+
+def _random_model(rng, transform: str, L=6, E=24, M=5) -> RoutingModel:
+    """A routing artifact with eldr-live's shrinkage on every layer but one (kappa inf there: the prototype alone)."""
+    mask = np.array([0, 2, 3, 5])
+    protos = rng.random((M, len(mask) * E))
+    act = np.clip(rng.dirichlet(np.full(E, 0.3), size=(M + 1, L)) * 4, 0, 0.999).astype(np.float32)
+    kappa = rng.choice([0.0, 2.0, 32.0, np.inf], size=L)
+    kappa[1] = np.inf
+    return RoutingModel(transform, rng.random((L, E)) + 0.1, mask, np.eye(2, len(mask) * E), live=(protos, act),
+                        live_shrinkage=(kappa, rng.random(L)), top_k=3)
+
+
+def _bits(x: np.ndarray) -> bytes:
+    return np.ascontiguousarray(x).tobytes()
+
+
+@pytest.mark.parametrize("transform", ["count", "count-idf", "sqrt", "binary"])
+def test_the_compiled_request_path_is_bit_identical_to_its_numpy_form(transform):
+    """Eq. 2 and the shrunk activation run as compiled loops (routing.compiled); on random counts of every integer
+    width the proxy decodes (and int64, with empty layers and whole empty requests) each value is the numpy form's,
+    bit for bit: the signature against method.signature.weighted_cells, the entry against PrefillPredictor's numpy
+    shrinkage and its log."""
+    from eldr_cli.method.signature import signatures, weighted_cells
+    from eldr_cli.routing.live_set import LiveEntry, PrefillPredictor
+
+    rng = np.random.default_rng(7)
+    model = _random_model(rng, transform)
+    src = PrefillPredictor(model)
+    seen_protos = set()
+    for i in range(300):
+        dtype = (np.uint8, np.uint16, np.uint32, np.int64)[i % 4]
+        top = (3, 255, 40_000, 2_000)[i % 4] if dtype != np.uint16 else 60_000
+        c = (rng.integers(0, top, size=model.shape) * (rng.random(model.shape) < rng.random())).astype(dtype)
+        if i % 17 == 0:
+            c[rng.integers(0, model.shape[0])] = 0
+        if i % 50 == 0:
+            c[:] = 0
+        want_cells = weighted_cells(c[model.mask], transform, model._kept_weights).reshape(-1)
+        assert _bits(model.signature(c, unit=False)) == _bits(want_cells)
+        assert _bits(model.signatures([c, c])) == _bits(signatures(np.stack([c, c]), transform, model.weights,
+                                                                model.mask))
+        got = src.entry(c)
+        assert isinstance(got, LiveEntry)
+        if not want_cells.any():
+            assert got is src.mean()
+            continue
+        a = src._shrunk(c, got.prototype)
+        assert _bits(got.activation) == _bits(a) and _bits(got.log_idle) == _bits(np.log1p(-a))
+        seen_protos.add(got.prototype)
+    assert len(seen_protos) > 1
+
+
+def test_counts_too_large_for_float32_keep_the_numpy_form():
+    """A layer whose counts sum to 2**24 or more (where float32 sums round) declines the compiled loop: the entry is
+    still the numpy form's."""
+    from eldr_cli.routing.compiled import shrunk_activation
+    from eldr_cli.routing.live_set import PrefillPredictor
+
+    rng = np.random.default_rng(3)
+    src_model = _random_model(rng, "count")
+    src = PrefillPredictor(src_model)
+    c = rng.integers(0, 50, size=src_model.shape).astype(np.int64)
+    c[0, :3] = [1 << 23, 1 << 23, 12_345]
+    out = np.empty(c.size, dtype=np.float32)
+    assert not shrunk_activation(c, src.act[0], src._w, src._kappa, src._inv_k, src._a_max, out, out.copy())
+    got = src.entry(c)
+    a = src._shrunk(c, got.prototype)
+    assert _bits(got.activation) == _bits(a) and _bits(got.log_idle) == _bits(np.log1p(-a))

@@ -389,3 +389,33 @@ def test_proxy_refuses_a_cost_model_of_another_model(routing3, tmp_path):
                        prefill=["http://127.0.0.1:9"], decode=[f"http://127.0.0.1:{p}" for p in (10, 11, 12)])
     with pytest.raises(EldrError, match=r"measured decode step of Qwen3-30B-A3B \(L=48, E=128\).*L=4, E=16"):
         create_app(cfg)
+
+
+def test_the_compiled_cost_loop_is_the_step_formula_on_python_floats_bit_for_bit():
+    """eldr-live's per-decoder cost and growth (routing.compiled.live_costs) equal, bit for bit, the rule written on
+    Python floats through costmodel.step_ms_from_terms, with and without the roof, idle decoders included."""
+    import numpy as np
+
+    from eldr_cli.costmodel import StepTerms, step_ms_from_terms
+    from eldr_cli.routing.compiled import live_costs
+    from eldr_cli.routing.live import step_form
+
+    rng = np.random.default_rng(4)
+    for terms in (step_form(None, 48), StepTerms(*rng.random(8))._replace(roof=1.0),
+                  StepTerms(*rng.random(8))._replace(roof=0.0)):
+        for _ in range(500):
+            K = int(rng.integers(1, 20))
+            ld = rng.integers(0, 5, size=K)
+            active, ctx, added = rng.random(K) * 3000, rng.random(K) * 1e5 * (rng.random(K) < 0.8), rng.random(K) * 40
+            c_new = int(rng.integers(0, 5000))
+            cost, growth = np.empty(K), np.empty(K)
+            live_costs(np.asarray(terms, dtype=np.float64), ld, active, ctx, added, c_new, cost, growth)
+            want_cost, want_growth = [], []
+            for b, a, c, d in zip(ld.tolist(), active.tolist(), ctx.tolist(), added.tolist(), strict=True):
+                B = float(b)
+                tb = step_ms_from_terms(terms, a, B, c)
+                t1 = step_ms_from_terms(terms, a + d, B + 1, c + c_new)
+                want_cost.append(t1 + B * (t1 - (tb if B > 0 else 0.0)))
+                want_growth.append(t1 - tb + terms.kt)
+            assert cost.tobytes() == np.array(want_cost).tobytes()
+            assert growth.tobytes() == np.array(want_growth).tobytes()

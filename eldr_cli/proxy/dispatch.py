@@ -109,8 +109,9 @@ class Recorder:
         return row
 
     def watch(self, signature: Any) -> None:
-        """Queue a handed-off signature for the drift watch (if on): its decoded counts when the hand-off decoded
-        them (not decoded twice), else as it arrived."""
+        """Queue a handed-off signature for the drift watch (if on): (routing model, its Eq. 2 cells) when the
+        decision computed them, its decoded counts when the hand-off decoded them (neither computed twice), else
+        as it arrived."""
         if self.drift is not None:
             self.drift.observe(signature)
 
@@ -159,8 +160,7 @@ class Dispatcher:
             rec.watch(enc)
             rec.signature("malformed")
             return Handoff(None, "malformed", tokens, replay)
-        rec.watch(counts)
-        return Handoff(counts, "ok", tokens, replay)
+        return Handoff(counts, "ok", tokens, replay)  # queued for the drift watch once decided (dispatch)
 
     async def dispatch(self, ctx: RequestContext, h: Handoff) -> DecisionRecord:
         """decide -> hold -> reserve -> record -> notify the shadows. The request is held (in the router's live set
@@ -172,6 +172,9 @@ class Dispatcher:
                           tokens=h.tokens)
         dt = time.perf_counter() - t0
         self._hold(ctx, d)  # before anything awaits
+        if h.signature == "ok":  # the drift watch scores the Eq. 2 cells the decision computed (eldr-live's detail)
+            cells = getattr(d.detail, "cells", None)
+            self.recorder.watch(h.counts if cells is None else (router.model, cells))
         sh = self.shared
         offer = None if sh.reserver is None or sh.in_outage else router.reservation(d, loads)
         # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)

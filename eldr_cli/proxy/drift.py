@@ -65,9 +65,10 @@ class DriftWatch:
             self._thread.start()
 
     def observe(self, enc: Any) -> None:
-        """One handed-off signature: as it arrived (a dict) or decoded (int counts [L, E], which the watch only
-        reads); never blocks: a full queue skips it, counted."""
-        if not isinstance(enc, (dict, np.ndarray)):
+        """One handed-off signature: as it arrived (a dict), decoded (int counts [L, E]) or as the decision's Eq. 2
+        cells ((routing model, float64 [N* x E]): scored only while that model is the current one), which the watch
+        only reads; never blocks: a full queue skips it, counted."""
+        if not isinstance(enc, (dict, np.ndarray, tuple)):
             return
         if len(self._pending) >= self.queue_rows:
             self.dropped += 1
@@ -106,23 +107,29 @@ class DriftWatch:
         return self._monitor
 
     def _score(self, items: list[Any]) -> None:
-        """Score ``items`` in order (a bad signature, counted as missing on the request path, is skipped)."""
+        """Score ``items`` in order (a bad signature, counted as missing on the request path, is skipped; so are
+        cells of a routing model no longer current)."""
         from eldr_cli.handoff import decode_counts
+        from eldr_cli.method.signature import l2_normalize
 
         mon = self._current()
-        if mon is None:
-            return
         model = self.state.model
-        counts = []
+        if mon is None or model is None:
+            return
+        rows = []
         for enc in items:
+            if isinstance(enc, tuple):
+                if enc[0] is model:
+                    rows.append(enc[1])
+                continue
             try:
                 c = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
             except Exception:  # noqa: BLE001
                 continue
-            if c.shape == model.shape:  # type: ignore[union-attr]
-                counts.append(c)
-        if counts:
-            S = model.signatures(counts)  # type: ignore[union-attr]
+            if c.shape == model.shape:
+                rows.append(model.signature(c, unit=False))
+        if rows:
+            S = l2_normalize(np.stack(rows))  # = model.signatures of their counts, value for value
             with self._lock:
                 mon.observe_batch(S)
 

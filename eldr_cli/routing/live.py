@@ -40,8 +40,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from eldr_cli.costmodel import StepTerms, step_ms_from_terms
+from eldr_cli.costmodel import StepTerms
 from eldr_cli.errors import EldrError
+from eldr_cli.routing.compiled import live_costs
 from eldr_cli.routing.live_set import ActivationSource, LiveEntry, LiveSet, PrefillPredictor
 from eldr_cli.routing.model import RoutingModel
 from eldr_cli.routing.policies import Policy, Ranking, rerank
@@ -65,6 +66,11 @@ class LiveDetail(NamedTuple):
     @property
     def prototype(self) -> int:
         return self.entry.prototype
+
+    @property
+    def cells(self) -> np.ndarray | None:
+        """The request's Eq. 2 cells (float64 [N* x E], not normalized; None when not predicted from its counts)."""
+        return self.entry.cells
 
 
 def step_form(cost, n_layers: int) -> StepTerms:
@@ -98,6 +104,7 @@ class EldrLivePolicy(Policy):
         self.n = n_workers
         self.live = live_set(n_workers, model, cost, source)  # the public live-set API (routing.live_set)
         self.terms = self.live.terms
+        self._terms = np.asarray(self.terms, dtype=np.float64)  # what the compiled cost loop reads
 
     def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
         """The request's live entry from its prefill counts (what the router passes to :meth:`rank`)."""
@@ -117,21 +124,14 @@ class EldrLivePolicy(Policy):
         """The rule on the new request's per-step activation probabilities ``a_new`` [L*E]."""
         q, active, C = self.live.view()
         ld = loads.tolist() if isinstance(loads, np.ndarray) else list(loads)
-        # each decoder's next step without and with the request (its expected new experts and its context),
-        # by the one step formula the simulator and the replay use; on Python floats per decoder: the same IEEE
-        # double operations in the same order as numpy on [K] arrays, without numpy's cost per call on tiny arrays
-        terms, kt = self.terms, self.terms.kt
-        cost, growth = [], []
-        for b, a, c, da in zip(ld, active.tolist(), C.tolist(), (q @ a_new).tolist(), strict=True):
-            B = float(b)
-            Tb = step_ms_from_terms(terms, a, B, c)
-            T = Tb if B > 0 else 0.0  # an idle decoder runs no step
-            T1 = step_ms_from_terms(terms, a + da, B + 1, c + c_new)
-            cost.append(T1 + B * (T1 - T))
-            # d cost / d B: one more request there that these loads left out makes the new one's step kt longer
-            # and adds one more request it slows down by (T1 - T) (the replicas' reservation redoes this rule on
-            # Redis's exact counts)
-            growth.append(T1 - Tb + kt)
+        # each decoder's next step without and with the request (its expected new experts and its context), by
+        # the one step formula the simulator and the replay use, compiled over the K decoders (routing.compiled:
+        # the same double operations in the same order as on Python floats); the growth is d cost / d B: one more
+        # request there that these loads left out makes the new one's step kt longer and adds one more request it
+        # slows down by (T1 - T) (the replicas' reservation redoes this rule on Redis's exact counts)
+        predicted, growth = np.empty(len(ld)), np.empty(len(ld))
+        live_costs(self._terms, np.asarray(ld, dtype=np.int64), active, C, q @ a_new, c_new, predicted, growth)
+        cost = predicted.tolist()
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
@@ -139,8 +139,8 @@ class EldrLivePolicy(Policy):
         # the one rule (policies.rerank), tie order: the decoder sent a request longest ago first (then index)
         order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
         w = rerank(cost, ld, slack, tie, order)
-        return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=np.array(cost), detail=detail,
-                       growth_ms=np.array(growth), tie=tie)
+        return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=predicted, detail=detail,
+                       growth_ms=growth, tie=tie)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

@@ -30,11 +30,14 @@ A_MAX = 1.0 - 1e-6  # a true activation of 1 (every step): log(1 - a) stays fini
 
 
 class LiveEntry(NamedTuple):
-    """One request as a live set holds it: a_r [L*E] and log(1 - a_r) (float32), and its prototype."""
+    """One request as a live set holds it: a_r [L*E] and log(1 - a_r) (float32), and its prototype; ``cells``:
+    the Eq. 2 cells [N* x E] (float64, not normalized) its prediction started from, when it was predicted from
+    its prefill counts (the proxy's drift watch scores them instead of computing them again)."""
 
     activation: np.ndarray
     log_idle: np.ndarray
     prototype: int
+    cells: np.ndarray | None = None
 
 
 def entry_of(a: np.ndarray, prototype: int) -> LiveEntry:
@@ -80,6 +83,10 @@ class PrefillPredictor:
             self._w = np.where(inf, 0.0, w).astype(np.float32)
             self._kappa = np.where(inf, 1.0, kappa).astype(np.float32)
             self._inv_k = np.float32(1.0 / max(model.top_k, 1))
+            self._a_max = np.float32(MAX_ACTIVATION)
+        from eldr_cli.routing.compiled import warm
+
+        warm()  # the request path's compiled loops are ready before the first request
 
     def mean(self) -> LiveEntry:
         return self.entries[-1]
@@ -92,22 +99,34 @@ class PrefillPredictor:
         """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape)."""
         if counts is None:
             return None
-        sig = self.model.signature(counts, unit=False)
+        c = np.asarray(counts)
+        sig = self.model.signature(c, unit=False)
         if not sig.any():
             return self.mean()
         m = int((self.protos @ sig.astype(np.float32, copy=False)).argmax())
         if self.shrinkage is None:
-            return self.entries[m]
-        # method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c
+            return self.entries[m]._replace(cells=sig)
+        if c.dtype.kind in "iu":  # one compiled pass (routing.compiled), bit-identical to _shrunk
+            from eldr_cli.routing.compiled import shrunk_activation
+
+            a = np.empty(c.size, dtype=np.float32)
+            log_idle = np.empty(c.size, dtype=np.float32)
+            if shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a, log_idle):
+                return LiveEntry(a, np.log1p(log_idle, out=log_idle), m, sig)
+        a = self._shrunk(c, m)
+        return LiveEntry(a, np.log1p(-a), m, sig)
+
+    def _shrunk(self, counts: np.ndarray, m: int) -> np.ndarray:
+        """method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c, flat
+        [L*E] (the numpy form of ``routing.compiled.shrunk_activation``)."""
         c = np.array(counts, dtype=np.float32)  # a copy: scaled in place below
         tok = c.sum(axis=1) * self._inv_k
         lam = self._w * tok / np.maximum(tok + self._kappa, np.float32(1e-9))
         a = self.act[m] * (1 - lam)[:, None]
         c *= (lam / np.maximum(tok, np.float32(1e-9)))[:, None]
         a += c
-        np.minimum(a, np.float32(MAX_ACTIVATION), out=a)
-        a = a.reshape(-1)
-        return LiveEntry(a, np.log1p(-a), m)
+        np.minimum(a, self._a_max, out=a)
+        return a.reshape(-1)
 
 
 class FutureSource:
@@ -178,6 +197,8 @@ class LiveSet:
     def add(self, worker: int, key: Any, entry: LiveEntry | None, tokens: int = 0) -> None:
         """Request ``key`` is on ``worker`` (moved there if it was elsewhere); None: the mean request."""
         entry = entry or self.source.mean()
+        if entry.cells is not None:  # the live set keeps what it sums, not the request's signature
+            entry = entry._replace(cells=None)
         self.remove(key)
         self.where[key] = (worker, entry, int(tokens))
         self._seq += 1

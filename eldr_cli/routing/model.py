@@ -74,20 +74,34 @@ class RoutingModel:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
         :func:`eldr_cli.method.signature.signatures`, so fit and serving cannot disagree (``unit=False``:
         not normalized, the same direction)."""
-        from eldr_cli.method.signature import l2_normalize, weighted_cells
+        from eldr_cli.method.signature import l2_normalize
 
         c = np.asarray(counts)
         if c.shape != self.weights.shape:
             raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
-        # signatures() on a batch of one, its kept layers' weights taken once (the same float operations)
-        x = weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(1, -1)
-        return (l2_normalize(x) if unit else x)[0]
+        x = self._cells(c)
+        return l2_normalize(x.reshape(1, -1))[0] if unit else x
 
     def signatures(self, counts: list[np.ndarray], unit: bool = True) -> np.ndarray:
         """:meth:`signature` of each of ``counts`` (each [L, E], checked by the caller) as rows [n, N* x E], the same
-        float operations; only the kept layers are gathered."""
-        from eldr_cli.method.signature import l2_normalize, weighted_cells
+        float operations; only the kept layers are read."""
+        from eldr_cli.method.signature import l2_normalize
 
-        kept = np.stack([np.asarray(c)[self.mask] for c in counts])
-        x = weighted_cells(kept, self.transform, self._kept_weights).reshape(len(counts), -1)
+        x = np.empty((len(counts), self._kept_weights.size))
+        for i, c in enumerate(counts):
+            x[i] = self._cells(np.asarray(c))
         return l2_normalize(x) if unit else x
+
+    def _cells(self, c: np.ndarray) -> np.ndarray:
+        """Eq. 2's weighted cells of the kept layers, flat [N* x E] float64: one compiled pass
+        (:func:`eldr_cli.routing.compiled.eq2_row`, bit-identical to ``method.signature.weighted_cells``) for
+        numeric counts, else ``weighted_cells`` itself."""
+        if c.dtype.kind in "iuf":
+            from eldr_cli.routing.compiled import TRANSFORM_CODE, eq2_row
+
+            out = np.empty(self._kept_weights.size)
+            eq2_row(c, self.mask, self._kept_weights, TRANSFORM_CODE[self.transform], out)
+            return out
+        from eldr_cli.method.signature import weighted_cells
+
+        return weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(-1)
