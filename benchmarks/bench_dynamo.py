@@ -102,13 +102,14 @@ def hop_probe(pairs: int, seed: int) -> None:
 
 
 def interval(x: np.ndarray) -> tuple[float, float, float]:
-    from scipy import stats
+    """Mean and 95% t-interval (eldr_cli.stats.mean_ci); NaN bounds with fewer than two values."""
+    from eldr_cli.stats import mean_ci
 
-    m = float(np.mean(x))
-    if len(x) < 2:
-        return m, float("nan"), float("nan")
-    h = float(stats.t.ppf(0.975, len(x) - 1) * np.std(x, ddof=1) / np.sqrt(len(x)))
-    return m, m - h, m + h
+    iv = mean_ci([float(v) for v in x])
+    if iv is None:
+        return float("nan"), float("nan"), float("nan")
+    nan = float("nan")
+    return iv.mean, iv.lo if iv.lo is not None else nan, iv.hi if iv.hi is not None else nan
 
 
 def run(rounds: int, pairs: int, max_tokens: int, tmp: Path) -> dict:

@@ -22,30 +22,25 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-# moves to the shared statistics module (eldr_cli/stats.py, another branch) when the lead merges both
-def paired_interval(after: Sequence[float], before: Sequence[float], *, ratio: bool = False,
-                    level: float = 0.95) -> dict[str, Any]:
-    """Mean of the per-pair ``after - before`` (or ``after / before`` with ``ratio``) and its two-sided
-    t-interval at ``level`` over the pairs; NaN bounds with fewer than two pairs. ``verdict`` says whether
-    the interval excludes no change (0, or 1 for a ratio)."""
-    from scipy import stats
+def paired_interval(after: Sequence[float], before: Sequence[float], *, ratio: bool = False) -> dict[str, Any]:
+    """Mean of the per-pair ``after - before`` (or ``after / before`` with ``ratio``) and its two-sided 95%
+    t-interval over the pairs (:func:`eldr_cli.stats.mean_ci`, the interval every eldr comparison reports);
+    NaN bounds with fewer than two pairs. ``verdict`` says whether the interval excludes no change (0, or 1
+    for a ratio)."""
+    from eldr_cli.stats import LEVEL, mean_ci
 
     if len(after) != len(before):
         raise ValueError(f"paired values need as many after ({len(after)}) as before ({len(before)})")
     d = [a / b if ratio else a - b for a, b in zip(after, before, strict=True)]
+    iv = mean_ci(d)
     n = len(d)
-    mean = sum(d) / n if n else math.nan
-    if n > 1:
-        sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-        half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
-    else:
-        half = math.nan
-    lo, hi = mean - half, mean + half
+    mean = iv.mean if iv is not None else math.nan
+    lo, hi = (iv.lo, iv.hi) if iv is not None and iv.lo is not None and iv.hi is not None else (math.nan, math.nan)
     none = 1.0 if ratio else 0.0
     verdict = ("too few pairs" if n < 2 else "no measurable difference" if lo <= none <= hi
                else "higher after" if lo > none else "lower after")
     return {"kind": "ratio" if ratio else "difference", "pairs": n, "per_pair": d, "mean": mean,
-            "ci": [lo, hi], "level": level, "verdict": verdict}
+            "ci": [lo, hi], "level": LEVEL, "verdict": verdict}
 
 
 def order(names: Iterable[T], round_: int) -> list[T]:
