@@ -24,10 +24,11 @@ import math
 import numpy as np
 from numba import njit
 
-from eldr_cli.costmodel import step_ms_from_terms
+from eldr_cli.costmodel import StepTerms, step_ms_from_terms
 
 # method.signature.SERVABLE_TRANSFORMS -> the loop's branch (count-idf's IDF is folded into the weights)
 TRANSFORM_CODE = {"count": 0, "count-idf": 0, "sqrt": 1, "binary": 2}
+_KT = StepTerms._fields.index("kt")  # the terms array is StepTerms in field order (a constant to the compiled loop)
 EXACT_F32 = 1 << 24  # integers below this are exact in float32, and so is every partial sum below it
 
 
@@ -100,7 +101,7 @@ def live_costs(terms, loads, active, ctx, added, c_new, cost, growth):  # pragma
     ``ctx`` [K] float64 (A_d, C_d), ``added`` [K] float64 (dA_d) and the request's context tokens ``c_new``:
     T = step(A, B, C) (0 when idle), T1 = step(A + dA, B + 1, C + c_new), cost = T1 + B (T1 - T),
     growth = T1 - step(A, B, C) + kt; the same double operations in the same order as on Python floats."""
-    kt = terms[2]
+    kt = terms[_KT]
     for k in range(loads.shape[0]):
         b = float(loads[k])
         tb = _step(terms, active[k], b, ctx[k])
