@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +102,6 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                 figures: bool = True) -> Path:
     from eldr_cli.method.cluster import BalancedKMeans
     from eldr_cli.method.signature import signatures
-    from eldr_cli.routing.drift import calibration_stats
 
     checks.check_tau(tau)
     trace = trace or read_trace(trace_path, with_picks=False)
@@ -118,49 +118,56 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     ok = np.linalg.norm(S, axis=1) > 0
     rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
-    t0 = time.perf_counter()
-    with blas_threads(1):
+    # eldr-live's decode-activation model needs only S: fit it in its own thread beside the clustering, the
+    # arrays and the figure (numpy work that releases the GIL; neither side reads what the other writes, so
+    # the results are the same). BLAS's limit is entered before the thread starts and left after it ends.
+    with blas_threads(1), ThreadPoolExecutor(1, thread_name_prefix="eldr-live-fit") as side:
+        live_job = side.submit(_fit_decode_activation, S, trace, rows, seed)
+        t0 = time.perf_counter()
         km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
-    fit_s = time.perf_counter() - t0
-    live = _fit_decode_activation(S, trace, rows, seed)
-    labels = np.full(trace.n_requests, -1, dtype=np.int32)
-    assert km.labels_ is not None  # set by fit
-    labels[rows] = km.labels_
-    domains = trace.column("domain")[rows]
-    names, counts = np.unique(domains, return_counts=True)
-    share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
-    drift = calibration_stats(S, km.centroids_, None if live is None else live.prototypes_, tau)
-    with ArtifactWriter(out, kind="routing",
-                        params={"transform": transform, "n_clusters": decoders, "tau": tau,
-                                "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
-                                "num_layers": trace.num_layers, "num_experts": trace.num_experts,
-                                "top_k": trace.top_k, "model": trace.model.get("model"),
-                                "domain_share": share, "drift": drift,
-                                "live_prototypes": None if live is None else int(live.prototypes_.shape[0]),
-                                "live_predictor": None if live is None else live.predictor_},
-                        inputs={"trace": trace_path, "layers": layers_path}) as w:
-        w.write_array("weights", weights)
-        w.write_array("idf", lay.array("idf"))
-        w.write_array("mask", mask)
-        w.write_array("centroids", km.centroids_)
-        w.write_array("labels", labels)
-        if live is not None:  # what the eldr-live policy predicts a request's decode experts from
-            w.write_array("live_prototypes", live.prototypes_)
-            w.write_array("live_activation", live.activation_)
-            w.write_array("live_kappa", live.shrinkage_.kappa)
-            w.write_array("live_weight", live.shrinkage_.weight)
-            w.metrics["live_predictor_quality"] = live.quality_
-        w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
-                          "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
-                          "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
-        if figures:
-            t_fig = time.perf_counter()
-            from eldr_cli import plots
+        fit_s = time.perf_counter() - t0
+        labels = np.full(trace.n_requests, -1, dtype=np.int32)
+        assert km.labels_ is not None  # set by fit
+        labels[rows] = km.labels_
+        domains = trace.column("domain")[rows]
+        names, counts = np.unique(domains, return_counts=True)
+        share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
+        with ArtifactWriter(out, kind="routing",
+                            params={"transform": transform, "n_clusters": decoders, "tau": tau,
+                                    "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
+                                    "num_layers": trace.num_layers, "num_experts": trace.num_experts,
+                                    "top_k": trace.top_k, "model": trace.model.get("model"), "domain_share": share},
+                            inputs={"trace": trace_path, "layers": layers_path}) as w:
+            for name, arr in (("weights", weights), ("idf", lay.array("idf")), ("mask", mask),
+                              ("centroids", km.centroids_), ("labels", labels)):
+                w.write_array(name, arr)
+            w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
+                              "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
+                              "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
+            if figures:
+                t_fig = time.perf_counter()
+                from eldr_cli import plots
 
-            with blas_threads(1):
                 plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
-            w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
+                w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
+            _write_live(w, live_job.result(), S, km.centroids_, tau)
     return Path(out)
+
+
+def _write_live(w: ArtifactWriter, live, S: np.ndarray, centroids: np.ndarray, tau: float) -> None:
+    """The routing artifact's parts that depend on eldr-live's decode-activation model (``live``, None when
+    the calibration rows have no decode): the drift watch's calibration, the live predictor."""
+    from eldr_cli.routing.drift import calibration_stats
+
+    w.params.update({"drift": calibration_stats(S, centroids, None if live is None else live.prototypes_, tau),
+                     "live_prototypes": None if live is None else int(live.prototypes_.shape[0]),
+                     "live_predictor": None if live is None else live.predictor_})
+    if live is not None:  # what the eldr-live policy predicts a request's decode experts from
+        w.write_array("live_prototypes", live.prototypes_)
+        w.write_array("live_activation", live.activation_)
+        w.write_array("live_kappa", live.shrinkage_.kappa)
+        w.write_array("live_weight", live.shrinkage_.weight)
+        w.metrics["live_predictor_quality"] = live.quality_
 
 
 def _fit_decode_activation(S: np.ndarray, trace: Trace, rows: np.ndarray, seed: int):
