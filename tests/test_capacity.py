@@ -233,3 +233,23 @@ def test_the_sensitivity_searches_on_the_study_s_arrivals(monkeypatch):
     assert [(r["per_expert_scale"], r["fixed_scale"]) for r in rows][0] == (1.0, 1.0) and len(rows) == 5
     assert {b for _, b, _ in seen} == {0.3}
     assert all(a == s for a, _, s in seen) and {s for _, _, s in seen} == {0, 1}
+
+
+def test_the_derived_ttft_target_covers_the_p90_prompt_not_the_median_one():
+    """A trace whose prompts have a long tail: TTFT's p90 at no load is the p90 prompt's prefill, so a target
+    derived from the median prompt would be missed before any queueing; the derived one is above it."""
+    from types import SimpleNamespace
+
+    from eldr_cli.costmodel import CostModel
+    from eldr_cli.report.capacity import TTFT_SLO_FACTOR, default_slo
+
+    prefill = np.array([10.0] * 80 + [400.0] * 20)  # ms per row: 80% short prompts, 20% long ones
+    replay = SimpleNamespace(cost=CostModel(a_ms=0.2, b_ms=0.5, c_ms=0.05), n_layers=4, token_scale=1.0,
+                             trace=SimpleNamespace(model={"top_k": 2}), prompt_tokens=np.full(100, 8),
+                             prefill_step_ms=lambda rows: (float(prefill[rows[0]]), 1))
+    slo = default_slo(replay, np.arange(100), max_tokens=16)
+    p90 = float(np.quantile(prefill, 0.9))
+    assert slo.ttft_p90_ms >= 0.95 * TTFT_SLO_FACTOR * p90 > p90  # rounded to 2 significant digits
+    assert "p90 prompt's prefill step (400.0 ms)" in slo.how
+    given = default_slo(replay, np.arange(100), max_tokens=16, ttft_ms=123.0)
+    assert given.ttft_p90_ms == 123.0 and "TTFT target" not in given.how
