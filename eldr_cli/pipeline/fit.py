@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -86,13 +86,15 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
                           "layer_weights": [round(float(v), 4) for v in sel.layer_weights_],
                           "layer_weight_rho": sel.weight_rho_,
                           "fit_s": round(fit_s, 4)})
-        if figures:
+        if figures:  # the two figures drawn side by side in forked processes (the same bytes)
             t_fig = time.perf_counter()
             from eldr_cli import plots
 
-            plots.rho_per_transform(w.figure_path("fig7_rho_per_transform.png"), sel.rho_by_transform_,
-                                    chosen=sel.transform_)
-            plots.cumulative_rho(w.figure_path("fig8_cumulative_rho.png"), sel.cumulative_rho_, sel.n_layers_)
+            with plots.Drawing() as drawing:
+                drawing.submit(plots.rho_per_transform, w.figure_path("fig7_rho_per_transform.png"),
+                               sel.rho_by_transform_, sel.transform_)
+                drawing.submit(plots.cumulative_rho, w.figure_path("fig8_cumulative_rho.png"), sel.cumulative_rho_,
+                               sel.n_layers_)
             w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
     return Path(out)
 
@@ -118,40 +120,49 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
     ok = np.linalg.norm(S, axis=1) > 0
     rows, S = np.asarray(rows[ok]), S[ok]
     checks.check_k_range(decoders, len(rows))
-    # eldr-live's decode-activation model needs only S: fit it in its own thread beside the clustering, the
-    # arrays and the figure (numpy work that releases the GIL; neither side reads what the other writes, so
-    # the results are the same). BLAS's limit is entered before the thread starts and left after it ends.
-    with blas_threads(1), ThreadPoolExecutor(1, thread_name_prefix="eldr-live-fit") as side:
-        live_job = side.submit(_fit_decode_activation, S, trace, rows, seed)
+    with blas_threads(1):
         t0 = time.perf_counter()
         km = BalancedKMeans(decoders, balanced=not vanilla, max_iter=max_iter, seed=seed).fit(S)
         fit_s = time.perf_counter() - t0
-        labels = np.full(trace.n_requests, -1, dtype=np.int32)
-        assert km.labels_ is not None  # set by fit
-        labels[rows] = km.labels_
-        domains = trace.column("domain")[rows]
-        names, counts = np.unique(domains, return_counts=True)
-        share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
-        with ArtifactWriter(out, kind="routing",
-                            params={"transform": transform, "n_clusters": decoders, "tau": tau,
-                                    "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
-                                    "num_layers": trace.num_layers, "num_experts": trace.num_experts,
-                                    "top_k": trace.top_k, "model": trace.model.get("model"), "domain_share": share},
-                            inputs={"trace": trace_path, "layers": layers_path}) as w:
-            for name, arr in (("weights", weights), ("idf", lay.array("idf")), ("mask", mask),
-                              ("centroids", km.centroids_), ("labels", labels)):
-                w.write_array(name, arr)
-            w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
-                              "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
-                              "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
-            if figures:
-                t_fig = time.perf_counter()
-                from eldr_cli import plots
-
-                plots.pca_clusters(w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
-                w.metrics["figures_s"] = round(time.perf_counter() - t_fig, 4)
-            _write_live(w, live_job.result(), S, km.centroids_, tau)
+    labels = np.full(trace.n_requests, -1, dtype=np.int32)
+    assert km.labels_ is not None  # set by fit
+    labels[rows] = km.labels_
+    domains = trace.column("domain")[rows]
+    names, counts = np.unique(domains, return_counts=True)
+    share = {str(n): float(c) / len(rows) for n, c in zip(names, counts, strict=True)}
+    with ArtifactWriter(out, kind="routing",
+                        params={"transform": transform, "n_clusters": decoders, "tau": tau,
+                                "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
+                                "num_layers": trace.num_layers, "num_experts": trace.num_experts,
+                                "top_k": trace.top_k, "model": trace.model.get("model"), "domain_share": share},
+                        inputs={"trace": trace_path, "layers": layers_path}) as w, ExitStack() as stack:
+        for name, arr in (("weights", weights), ("idf", lay.array("idf")), ("mask", mask),
+                          ("centroids", km.centroids_), ("labels", labels)):
+            w.write_array(name, arr)
+        w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
+                          "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
+                          "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
+        with blas_threads(1):
+            fig_s = _draw_pca(stack, w, S, km.centroids_, domains) if figures else 0.0
+            # eldr-live's decode-activation model, fitted while a forked process draws the figure
+            live = _fit_decode_activation(S, trace, rows, seed)
+        if figures:
+            t_fig = time.perf_counter()
+            stack.close()  # wait for the figure
+            w.metrics["figures_s"] = round(fig_s + time.perf_counter() - t_fig, 4)
+        _write_live(w, live, S, km.centroids_, tau)
     return Path(out)
+
+
+def _draw_pca(stack: ExitStack, w: ArtifactWriter, S: np.ndarray, centroids: np.ndarray, domains) -> float:
+    """Start drawing Fig. 9 in a forked process that ``stack`` waits for (with BLAS's thread count of the
+    caller, so the same bytes as drawn here); -> the seconds it took to start."""
+    from eldr_cli import plots
+
+    t_fig = time.perf_counter()
+    drawing = stack.enter_context(plots.Drawing())
+    drawing.submit(plots.pca_clusters, w.figure_path("fig9_pca.png"), S, centroids, domains)
+    return time.perf_counter() - t_fig
 
 
 def _write_live(w: ArtifactWriter, live, S: np.ndarray, centroids: np.ndarray, tau: float) -> None:
