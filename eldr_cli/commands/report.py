@@ -25,7 +25,7 @@ def report_cmd(
     slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="TPOT p90 target (ms); default: 4x "
                                                 "the batch-1 decode step of the cost model."),
     slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="TTFT p90 target (ms); default: 3x "
-                                                "the typical prefill step + 2 TPOT targets."),
+                                                "the p90 prompt's prefill step + 2 TPOT targets."),
     routers: Optional[str] = typer.Option(None, "--routers", help="Comma-separated routers (default: every "
                                           "simulator router but domain, incl. the oracle)."),
     prefill: Optional[int] = typer.Option(None, "--prefill", min=1, help="Prefill workers (default: enough that "
