@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +101,7 @@ def run_select_layers(trace_path, idf_path, out, *, pairs: int = 20000, transfor
 def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = False, seed: int = 0,
                 tau: float = 0.1, max_iter: int = 50, split: str = "calibration", trace: Trace | None = None,
                 figures: bool = True) -> Path:
+    from eldr_cli import plots  # numpy only until a figure is drawn
     from eldr_cli.method.cluster import BalancedKMeans
     from eldr_cli.method.signature import signatures
 
@@ -135,34 +135,26 @@ def run_cluster(trace_path, layers_path, out, *, decoders: int, vanilla: bool = 
                                 "balanced": not vanilla, "seed": seed, "max_iter": max_iter, "split": split,
                                 "num_layers": trace.num_layers, "num_experts": trace.num_experts,
                                 "top_k": trace.top_k, "model": trace.model.get("model"), "domain_share": share},
-                        inputs={"trace": trace_path, "layers": layers_path}) as w, ExitStack() as stack:
+                        inputs={"trace": trace_path, "layers": layers_path}) as w, plots.Drawing() as drawing:
         for name, arr in (("weights", weights), ("idf", lay.array("idf")), ("mask", mask),
                           ("centroids", km.centroids_), ("labels", labels)):
             w.write_array(name, arr)
         w.metrics.update({"cluster_sizes": km.sizes_.tolist(), "objective": km.objective_,
                           "mean_cosine_distance": km.objective_ / len(rows), "capacity": km.capacity_,
                           "n_iter": km.n_iter_, "n_signatures": int(len(rows)), "fit_s": round(fit_s, 4)})
-        with blas_threads(1):
-            fig_s = _draw_pca(stack, w, S, km.centroids_, domains) if figures else 0.0
+        t_fig = time.perf_counter()
+        with blas_threads(1):  # the forked process draws with the caller's BLAS threads: the same bytes
+            if figures:
+                drawing.submit(plots.pca_clusters, w.figure_path("fig9_pca.png"), S, km.centroids_, domains)
+            fig_s = time.perf_counter() - t_fig
             # eldr-live's decode-activation model, fitted while a forked process draws the figure
             live = _fit_decode_activation(S, trace, rows, seed)
         if figures:
             t_fig = time.perf_counter()
-            stack.close()  # wait for the figure
+            drawing.wait()
             w.metrics["figures_s"] = round(fig_s + time.perf_counter() - t_fig, 4)
         _write_live(w, live, S, km.centroids_, tau)
     return Path(out)
-
-
-def _draw_pca(stack: ExitStack, w: ArtifactWriter, S: np.ndarray, centroids: np.ndarray, domains) -> float:
-    """Start drawing Fig. 9 in a forked process that ``stack`` waits for (with BLAS's thread count of the
-    caller, so the same bytes as drawn here); -> the seconds it took to start."""
-    from eldr_cli import plots
-
-    t_fig = time.perf_counter()
-    drawing = stack.enter_context(plots.Drawing())
-    drawing.submit(plots.pca_clusters, w.figure_path("fig9_pca.png"), S, centroids, domains)
-    return time.perf_counter() - t_fig
 
 
 def _write_live(w: ArtifactWriter, live, S: np.ndarray, centroids: np.ndarray, tau: float) -> None:
