@@ -42,38 +42,50 @@ def _compiled(fn):
 
 
 @_compiled
-def eq2_row(counts, mask, weights, code, out):  # pragma: no cover - compiled
+def eq2_row(counts, mask, weights, code, out, out32):  # pragma: no cover - compiled
     """Eq. 2's cells of one request: ``out`` [N* x E] float64 <- counts [L, E] at the kept layers ``mask`` [N*],
-    transformed (``code``: TRANSFORM_CODE) and weighted by ``weights`` [N*, E] float64."""
+    transformed (``code``: TRANSFORM_CODE) and weighted by ``weights`` [N*, E] float64; ``out32`` (float32, the
+    same length, or empty: not written) <- the same cells rounded to float32 (``out.astype(np.float32)``). True
+    when a cell is not zero (``out.any()``). One row of E cells at a time: loops the compiler vectorizes."""
     E = counts.shape[1]
-    j = 0
+    wide = out32.shape[0] > 0
+    nonzero = False
     for i in range(mask.shape[0]):
-        row = mask[i]
+        src = counts[mask[i]]
+        w = weights[i]
+        o = out[i * E:(i + 1) * E]
         for e in range(E):
-            x = float(counts[row, e])
+            x = float(src[e])
             if code == 1:
                 x = math.sqrt(x)
             elif code == 2:
                 x = 1.0 if x > 0.0 else 0.0
-            out[j] = x * weights[i, e]
-            j += 1
+            o[e] = x * w[e]
+        for e in range(E):
+            nonzero |= o[e] != 0.0
+        if wide:
+            o32 = out32[i * E:(i + 1) * E]
+            for e in range(E):
+                o32[e] = np.float32(o[e])
+    return nonzero
 
 
 @_compiled
 def shrunk_activation(counts, act, w, kappa, inv_k, a_max, a, neg_a):  # pragma: no cover - compiled
     """``a`` [L*E] float32 <- min((1 - lam) act + (lam / T) c, a_max) per layer, with T = sum_e c * inv_k and
     lam = w T / max(T + kappa, 1e-9); ``neg_a`` <- -a. ``counts`` int [L, E], ``act`` float32 [L, E], ``w``,
-    ``kappa`` float32 [L]. False (outputs unspecified) when a layer's |counts| sum reaches 2**24."""
+    ``kappa`` float32 [L]. False (outputs unspecified) when a layer's |counts| sum reaches 2**24. One layer's E
+    cells at a time: loops the compiler vectorizes."""
     L, E = counts.shape
     one = np.float32(1.0)
     eps = np.float32(1e-9)
-    j = 0
     for row in range(L):
+        c = counts[row]
         s = 0
         s_abs = 0
         for e in range(E):
-            s += counts[row, e]
-            s_abs += abs(counts[row, e])
+            s += c[e]
+            s_abs += abs(c[e])
         if s_abs >= EXACT_F32:
             return False
         tok = np.float32(s) * inv_k
@@ -81,13 +93,15 @@ def shrunk_activation(counts, act, w, kappa, inv_k, a_max, a, neg_a):  # pragma:
         lam = (w[row] * tok) / (eps if den < eps else den)  # np.maximum (a NaN stays NaN)
         keep = one - lam
         per = lam / (eps if tok < eps else tok)
+        m = act[row]
+        o = a[row * E:(row + 1) * E]
+        n = neg_a[row * E:(row + 1) * E]
         for e in range(E):
-            v = act[row, e] * keep + np.float32(counts[row, e]) * per
+            v = m[e] * keep + np.float32(c[e]) * per
             if v > a_max:  # np.minimum (a NaN stays NaN)
                 v = a_max
-            a[j] = v
-            neg_a[j] = -v
-            j += 1
+            o[e] = v
+            n[e] = -v
     return True
 
 
@@ -112,13 +126,14 @@ def live_costs(terms, loads, active, ctx, added, c_new, cost, growth):  # pragma
 
 
 def warm() -> None:
-    """Load (or compile) both loops for the counts the proxy decodes (int64 [L, E]) now, not on the first
-    request: loading takes a fraction of a second, compiling a few (once per machine, then cached)."""
-    c = np.zeros((1, 2), dtype=np.int64)
-    out = np.empty(2)
-    eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, out)
+    """Load (or compile) the loops for the counts the proxy decodes (its wire widths, uint8/16/32 [L, E], and
+    int64) now, not on the first request: loading takes a fraction of a second, compiling a few (once per machine,
+    then cached)."""
     a = np.empty(2, dtype=np.float32)
     f = np.ones(1, dtype=np.float32)
-    shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a, a.copy())
+    for dt in (np.uint8, np.uint16, np.uint32, np.int64):
+        c = np.zeros((1, 2), dtype=dt)
+        eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)
+        shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a, a.copy())
     z = np.zeros(1)
     live_costs(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, z, 0, z.copy(), z.copy())

@@ -21,6 +21,9 @@ def load_routing_artifact(path):
     return art
 
 
+_NO_CELLS32 = np.empty(0, dtype=np.float32)  # RoutingModel.cells: no float32 copy wanted
+
+
 class RoutingModel:
     """Transform, per-cell weights [L, E], layer mask [N*], unit centroids [K, N* x E], tau."""
 
@@ -97,11 +100,18 @@ class RoutingModel:
         (:func:`eldr_cli.routing.compiled.eq2_row`, bit-identical to ``method.signature.weighted_cells``) for
         numeric counts, else ``weighted_cells`` itself."""
         if c.dtype.kind in "iuf":
-            from eldr_cli.routing.compiled import TRANSFORM_CODE, eq2_row
-
-            out = np.empty(self._kept_weights.size)
-            eq2_row(c, self.mask, self._kept_weights, TRANSFORM_CODE[self.transform], out)
-            return out
+            return self.cells(c)[0]
         from eldr_cli.method.signature import weighted_cells
 
         return weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(-1)
+
+    def cells(self, c: np.ndarray, out32: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
+        """Eq. 2's cells of numeric counts ``c`` [L, E] (shape checked by the caller) as :meth:`_cells` gives them,
+        and whether one is not zero; ``out32`` (float32 [N* x E]): also filled with them rounded to float32 (the
+        request path's one pass: eldr-live's nearest prototype reads them)."""
+        from eldr_cli.routing.compiled import TRANSFORM_CODE, eq2_row
+
+        out = np.empty(self._kept_weights.size)
+        nonzero = eq2_row(c, self.mask, self._kept_weights, TRANSFORM_CODE[self.transform], out,
+                          _NO_CELLS32 if out32 is None else out32)
+        return out, bool(nonzero)
