@@ -103,6 +103,47 @@ def test_a_row_that_does_not_match_the_schema_is_refused_naming_its_line_and_fie
 
 
 
+def test_a_signatures_inflate_gives_zlibs_bytes_and_refusals_and_the_wire_width_on_request():
+    """The hand-off's inflate (ISA-L where installed) gives zlib's bytes for every stream zlib takes (every level,
+    trailing bytes, two streams back to back) and refuses what zlib refuses (truncated, bit-flipped, another
+    format), with zlib's message; ``widen=False`` keeps the wire's width (the proxy's request path), the same
+    values."""
+    import gzip
+    import zlib
+
+    import numpy as np
+
+    from eldr_cli.handoff import SignatureDecodeError, _inflate, decode_counts
+
+    rng = np.random.default_rng(1)
+    cases = []
+    for level in range(10):
+        z = zlib.compress((rng.poisson(0.3, (48, 128)) * rng.integers(0, 3, (48, 128))).astype(np.uint8).tobytes(),
+                          level)
+        cases += [z, z + b"junk", z + z, z[:-1], z[2:], gzip.compress(b"abc"), zlib.compress(b""), b"", b"xx"]
+        for _ in range(40):
+            bad = bytearray(z)
+            bad[int(rng.integers(0, len(bad)))] ^= 1 << int(rng.integers(0, 8))
+            cases.append(bytes(bad))
+    for data in cases:
+        try:
+            want: bytes | str = zlib.decompress(data)
+        except zlib.error as e:
+            want = str(e)
+        try:
+            have: bytes | str = _inflate(data)
+        except zlib.error as e:
+            have = str(e)
+        assert have == want
+    counts = rng.integers(0, 70_000, size=(6, 10))
+    for top, dtype in ((255, np.uint8), (65_535, np.uint16), (70_000, np.uint32)):
+        c = np.minimum(counts, top)
+        narrow = decode_counts(encode_counts(c), widen=False)
+        assert narrow.dtype == dtype and narrow.dtype.isnative and narrow.tolist() == c.tolist()
+    with pytest.raises(SignatureDecodeError, match="incorrect header check"):
+        decode_counts({**encode_counts(counts), "data": "QUJD"})
+
+
 def test_a_signature_decodes_to_its_counts_and_refuses_what_the_standard_library_refuses():
     """The hand-off's base64 (pybase64 where installed) gives the counts back and takes exactly the data fields the
     standard library's ``b64decode(validate=True)`` takes: excess padding (which pybase64 alone refuses) decodes as

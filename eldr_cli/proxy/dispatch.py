@@ -109,9 +109,9 @@ class Recorder:
         return row
 
     def watch(self, signature: Any) -> None:
-        """Queue a handed-off signature for the drift watch (if on): (routing model, its Eq. 2 cells) when the
-        decision computed them, its decoded counts when the hand-off decoded them (neither computed twice), else
-        as it arrived."""
+        """Queue a handed-off signature for the drift watch (if on): (routing model, its Eq. 2 cells, the nearest
+        prototype) when the decision computed them, its decoded counts when the hand-off decoded them (neither
+        computed twice), else as it arrived."""
         if self.drift is not None:
             self.drift.observe(signature)
 
@@ -155,7 +155,7 @@ class Dispatcher:
             rec.watch(enc)
             return Handoff(None, "unused", tokens, replay)
         try:
-            counts = decode_counts(enc)
+            counts = decode_counts(enc, widen=False)  # the wire's width: the compiled loops read it as is
         except SignatureDecodeError:
             rec.watch(enc)
             rec.signature("malformed")
@@ -173,8 +173,8 @@ class Dispatcher:
         dt = time.perf_counter() - t0
         self._hold(ctx, d)  # before anything awaits
         if h.signature == "ok":  # the drift watch scores the Eq. 2 cells the decision computed (eldr-live's detail)
-            cells = getattr(d.detail, "cells", None)
-            self.recorder.watch(h.counts if cells is None else (router.model, cells))
+            cells = getattr(d.detail, "cells", None)  # ... and the prototype it found nearest
+            self.recorder.watch(h.counts if cells is None else (router.model, cells, d.detail.prototype))
         sh = self.shared
         offer = None if sh.reserver is None or sh.in_outage else router.reservation(d, loads)
         # replicas: one atomic slot in Redis; a move it makes is one more dispatch (the live set follows)
