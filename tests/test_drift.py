@@ -100,6 +100,7 @@ def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_que
 
     from eldr_cli.handoff import encode_counts
     from eldr_cli.proxy.drift import DriftWatch
+    from eldr_cli.routing.live_set import PrefillPredictor
 
     fit, held = _fit(tmp_path, 2, n=400)
     model = RoutingModel.load(fit)
@@ -121,6 +122,18 @@ def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_que
         finally:
             w.close()
     assert snaps[0] == snaps[1] == snaps[2]  # the same window whichever the hand-off queued
+    # eldr-live's hand-off also queues the prototype its decision found nearest (in float32): the similarity to it
+    src = PrefillPredictor(model)
+    w = DriftWatch(state)
+    try:
+        for c, (_, x) in zip(held, cells, strict=True):
+            entry = src.entry(c)
+            w.observe((model, x, entry.prototype if entry is not None and entry.cells is not None else 0))
+        w.drain()
+        live = w.snapshot() or {}
+    finally:
+        w.close()
+    assert live == {**snaps[0], "prototype_similarity": pytest.approx(snaps[0]["prototype_similarity"], rel=1e-6)}
     w = DriftWatch(state)
     try:
         for _, x in cells[:5]:

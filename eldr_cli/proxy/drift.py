@@ -68,8 +68,8 @@ class DriftWatch:
 
     def observe(self, enc: Any) -> None:
         """One handed-off signature: as it arrived (a dict), decoded (int counts [L, E]) or as the decision's Eq. 2
-        cells ((routing model, float64 [N* x E]): scored only while that model is the current one), which the watch
-        only reads; never blocks: a full queue skips it, counted."""
+        cells ((routing model, float64 [N* x E], the prototype eldr-live found nearest): scored only while that
+        model is the current one), which the watch only reads; never blocks: a full queue skips it, counted."""
         if not isinstance(enc, (dict, np.ndarray, tuple)):
             return
         if len(self._pending) >= self.queue_rows:
@@ -115,17 +115,17 @@ class DriftWatch:
         """Score ``items`` in order (a bad signature, counted as missing on the request path, is skipped; so are
         cells of a routing model no longer current)."""
         from eldr_cli.handoff import decode_counts
-        from eldr_cli.method.signature import l2_normalize
 
         mon = self._current()
         model = self.state.model
         if mon is None or model is None:
             return
-        rows = []
+        rows, nearest = [], []
         for enc in items:
             if isinstance(enc, tuple):
                 if enc[0] is model:
                     rows.append(enc[1])
+                    nearest.append(enc[2] if len(enc) > 2 else -1)
                 continue
             try:
                 c = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
@@ -133,10 +133,11 @@ class DriftWatch:
                 continue
             if c.shape == model.shape:
                 rows.append(model.signature(c, unit=False))
+                nearest.append(-1)
         if rows:
-            S = l2_normalize(np.stack(rows))  # = model.signatures of their counts, value for value
+            S = np.stack(rows)  # model.signature(..., unit=False) of their counts, value for value
             with self._lock:
-                mon.observe_batch(S)
+                mon.observe_batch(S, unit=False, nearest=np.asarray(nearest) if min(nearest) >= 0 else None)
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) until every signature queued before this call is scored (tests, shutdown)."""

@@ -79,19 +79,36 @@ class DriftMonitor:
         for s in np.asarray(S):
             self.observe(s)
 
-    def observe_batch(self, S: np.ndarray) -> None:
+    def observe_batch(self, S: np.ndarray, unit: bool = True, nearest: np.ndarray | None = None) -> None:
         """:meth:`observe_many` as matrix products (each similarity to within rounding): the centroids and
-        prototypes are read once per batch, not once per signature (the proxy's drift watch)."""
+        prototypes are read once per batch, not once per signature (the proxy's drift watch). ``unit=False``: rows
+        not normalized (Eq. 2's cells); each product is divided by its row's norm instead (one pass fewer over
+        them). ``nearest`` (one prototype per row, what eldr-live's decision found nearest in float32): the
+        similarity to that prototype, in float64, instead of the search over all of them (the same prototype but
+        where two are within float32 rounding of each other, and then the same similarity to that rounding)."""
         S = np.asarray(S, dtype=np.float64)
-        S = S[S.any(axis=1)]
+        if unit:
+            keep = S.any(axis=1)
+            scale = None
+        else:
+            norm = np.sqrt(np.einsum("ij,ij->i", S, S))
+            keep = norm > 0
+            scale = 1.0 / norm[keep][:, None]
+        S = S[keep]
         if not len(S):
             return
         cs = S @ self.centroids.T
+        if scale is not None:
+            cs *= scale
         top = cs.max(axis=1)
         self._near.extend(top.tolist())
         self._all.extend((cs.min(axis=1) >= top - self.tau).tolist())
         if self.prototypes is not None:
-            self._proto.extend((S @ self.prototypes.T).max(axis=1).tolist())
+            if nearest is None:
+                ps = (S @ self.prototypes.T).max(axis=1)
+            else:
+                ps = np.einsum("ij,ij->i", S, self.prototypes[np.asarray(nearest)[keep]])
+            self._proto.extend((ps if scale is None else ps * scale[:, 0]).tolist())
         self.seen += len(S)
 
     def snapshot(self) -> dict[str, Any]:
