@@ -25,6 +25,7 @@ from eldr_cli.method.shrinkage import MAX_ACTIVATION
 from eldr_cli.routing.model import RoutingModel
 
 LOG_Q_FLOOR = -60.0
+_FLOOR32 = np.float32(LOG_Q_FLOOR)  # the same floor as a float32 scalar: no type resolution per call
 RECOUNT_EVERY = 4096  # changes of a decoder's live set between exact recounts of its log q
 A_MAX = 1.0 - 1e-6  # a true activation of 1 (every step): log(1 - a) stays finite
 
@@ -185,7 +186,7 @@ class LiveSet:
         self._changes = [0] * n_workers
         self._dirty: set[int] = set()
         self._scratch = np.zeros(LE, dtype=np.float32)
-        self.where: dict[Any, tuple[int, LiveEntry, int]] = {}
+        self.where: dict[Any, tuple[int, np.ndarray, int, int]] = {}  # key -> (decoder, log(1 - a), prototype, tokens)
         self.last_add = [0] * n_workers  # sequence of the latest request added to each decoder
         self._seq = 0
 
@@ -212,10 +213,8 @@ class LiveSet:
     def add(self, worker: int, key: Any, entry: LiveEntry | None, tokens: int = 0) -> None:
         """Request ``key`` is on ``worker`` (moved there if it was elsewhere); None: the mean request."""
         entry = entry or self.source.mean()
-        if entry.cells is not None:  # the live set keeps what it sums, not the request's signature
-            entry = entry._replace(cells=None)
         self.remove(key)
-        self.where[key] = (worker, entry, int(tokens))
+        self.where[key] = (worker, entry.log_idle, entry.prototype, int(tokens))  # what it sums, not its signature
         self._seq += 1
         self.last_add[worker] = self._seq
         self.counts[worker, entry.prototype] += 1
@@ -228,11 +227,11 @@ class LiveSet:
         rec = self.where.pop(key, None)
         if rec is None:
             return False
-        worker, entry, tok = rec
-        self.counts[worker, entry.prototype] -= 1
+        worker, log_idle, prototype, tok = rec
+        self.counts[worker, prototype] -= 1
         self._n_live[worker] -= 1
         self.tokens[worker] -= tok
-        self._changed(worker, entry.log_idle, -1)
+        self._changed(worker, log_idle, -1)
         return True
 
     def _changed(self, d: int, log_delta: np.ndarray, sign: int) -> None:
@@ -247,6 +246,7 @@ class LiveSet:
     def _refresh(self) -> None:
         """q_d and A_d of the decoders whose live set changed since the last read (a dispatch and a finish on
         one decoder between two decisions cost one refresh)."""
+        floor, q, scratch = _FLOOR32, self._q, self._scratch
         for d in self._dirty:
             self._ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
             if not self._n_live[d]:
@@ -257,17 +257,18 @@ class LiveSet:
                 self._changes[d] = 0
                 self.log_q[d] = self.exact_log_q(d)
             # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
-            np.maximum(self.log_q[d], LOG_Q_FLOOR, out=self._scratch)
-            np.exp(self._scratch, out=self._q[d])
-            self._active[d] = self._q.shape[1] - float(self._q[d].sum())
+            np.maximum(self.log_q[d], floor, out=scratch)
+            row = q[d]
+            np.exp(scratch, out=row)
+            self._active[d] = q.shape[1] - float(row.sum())
         self._dirty.clear()
 
     def exact_log_q(self, d: int) -> np.ndarray:
         """Decoder d's log q recounted from its entries and the other replicas' counts (float64)."""
         out = self.remote[d].astype(np.float64) @ self.source.table.astype(np.float64)
-        for w, entry, _ in self.where.values():
+        for w, log_idle, _, _ in self.where.values():
             if w == d:
-                out += entry.log_idle
+                out += log_idle
         return out
 
     # -- replicas: integer vectors that sum -------------------------------------------------------------
