@@ -209,21 +209,30 @@ def pair_cosine_distance_fast(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     return _pair_cosine_distance_f32(np.asarray(x).reshape(len(x), -1).astype(np.float32), pairs)
 
 
+_CONTROLLER: list = []  # [(the extension modules loaded when built, threadpoolctl.ThreadpoolController)]
+
+
 def blas_threads(n: int | None = None):
     """Context that runs BLAS on ``n`` threads (None: one per core this process may use); a no-op
     without threadpoolctl. The fit runs its many small products on one thread (on busy cores
-    OpenBLAS's spinning threads cost more than they gain) and each large Gram matrix on all cores."""
+    OpenBLAS's spinning threads cost more than they gain) and each large Gram matrix on all cores.
+    The libraries are found once (5-20 ms with a fit's imports loaded) and again only after another extension
+    module was imported (whose library may bring another BLAS)."""
     import os
+    import sys
 
     try:
-        from threadpoolctl import threadpool_limits
+        from threadpoolctl import ThreadpoolController
     except ImportError:  # optional: BLAS keeps whatever threads it has
         import contextlib
 
         return contextlib.nullcontext()
     if n is None:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return threadpool_limits(max(1, n), user_api="blas")
+    seen = sum(1 for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").endswith((".so", ".pyd")))
+    if not _CONTROLLER or _CONTROLLER[0][0] != seen:
+        _CONTROLLER[:] = [(seen, ThreadpoolController())]
+    return _CONTROLLER[0][1].limit(limits=max(1, n), user_api="blas")
 
 
 def _pair_cosine_distance_f32(x: np.ndarray, pairs: np.ndarray) -> np.ndarray:
