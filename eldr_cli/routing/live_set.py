@@ -185,7 +185,6 @@ class LiveSet:
         self._n_live = [0] * n_workers
         self._changes = [0] * n_workers
         self._dirty: set[int] = set()
-        self._scratch = np.zeros(LE, dtype=np.float32)
         self.where: dict[Any, tuple[int, np.ndarray, int, int]] = {}  # key -> (decoder, log(1 - a), prototype, tokens)
         self.last_add = [0] * n_workers  # sequence of the latest request added to each decoder
         self._seq = 0
@@ -246,7 +245,7 @@ class LiveSet:
     def _refresh(self) -> None:
         """q_d and A_d of the decoders whose live set changed since the last read (a dispatch and a finish on
         one decoder between two decisions cost one refresh)."""
-        floor, q, scratch = _FLOOR32, self._q, self._scratch
+        floor, q = _FLOOR32, self._q
         for d in self._dirty:
             self._ctx[d] = float(self.tokens[d] + self.remote_tokens[d])
             if not self._n_live[d]:
@@ -257,9 +256,9 @@ class LiveSet:
                 self._changes[d] = 0
                 self.log_q[d] = self.exact_log_q(d)
             # floored at e^-60 (~1e-26, a normal float32): no denormals in the products, nothing lost
-            np.maximum(self.log_q[d], floor, out=scratch)
-            row = q[d]
-            np.exp(scratch, out=row)
+            row = q[d]  # in place: one row less through the caches
+            np.maximum(self.log_q[d], floor, out=row)
+            np.exp(row, out=row)
             self._active[d] = q.shape[1] - float(row.sum())
         self._dirty.clear()
 
