@@ -28,6 +28,7 @@ SIGNATURE_KEY = "eldr_signature"
 VERSION = 1
 _DTYPES = {"u1": np.uint8, "u2": np.uint16, "u4": np.uint32}
 _WIRE = {code: np.dtype(t).newbyteorder("<") for code, t in _DTYPES.items()}  # the little-endian wire dtypes
+WIRE_DTYPES = tuple(np.dtype(t) for t in _DTYPES.values())  # what decode_counts(widen=False) returns
 
 
 class SignatureDecodeError(ValueError):

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from eldr_cli.handoff import SIGNATURE_KEY, SignatureDecodeError, decode_counts, pop_signature
+from eldr_cli.handoff import SIGNATURE_KEY, WIRE_DTYPES, SignatureDecodeError, decode_counts, pop_signature
 from eldr_cli.proxy.decisionlog import replay_fields
 from eldr_cli.proxy.replicas.reserve import Reserver, reserve_decode
 from eldr_cli.proxy.request import RequestContext, context_tokens
@@ -139,6 +139,10 @@ class Dispatcher:
                  shadows: ShadowSet | None = None, *, tau: float = float("nan"), scrape_metrics: bool = False):
         self.router, self.pool, self.shared, self.recorder, self.shadows = router, pool, shared, recorder, shadows
         self.tau, self.scrape_metrics = tau, scrape_metrics
+        if router.needs_signature or shadows is not None:  # the counts arrive in the wire's widths (handoff)
+            from eldr_cli.routing.compiled import warm
+
+            warm(WIRE_DTYPES)
 
     def handoff(self, t0_perf: float, answer: dict[str, Any], body: dict[str, Any],
                 ktp: dict[str, Any] | None) -> Handoff:

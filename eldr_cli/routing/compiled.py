@@ -125,13 +125,13 @@ def live_costs(terms, loads, active, ctx, added, c_new, cost, growth):  # pragma
         growth[k] = t1 - tb + kt
 
 
-def warm() -> None:
-    """Load (or compile) the loops for the counts the proxy decodes (its wire widths, uint8/16/32 [L, E], and
-    int64) now, not on the first request: loading takes a fraction of a second, compiling a few (once per machine,
-    then cached)."""
+def warm(widths=(np.int64,)) -> None:
+    """Load (or compile) the loops for counts [L, E] of the integer ``widths`` now, not on the first request:
+    loading takes a fraction of a second, compiling a few per width (once per machine, then cached). The proxy's
+    hand-off warms the wire's widths (``handoff.WIRE_DTYPES``) as well."""
     a = np.empty(2, dtype=np.float32)
     f = np.ones(1, dtype=np.float32)
-    for dt in (np.uint8, np.uint16, np.uint32, np.int64):
+    for dt in widths:
         c = np.zeros((1, 2), dtype=dt)
         eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)
         shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a, a.copy())

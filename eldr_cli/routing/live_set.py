@@ -101,34 +101,26 @@ class PrefillPredictor:
         if counts is None:
             return None
         c = np.asarray(counts)
-        if c.dtype.kind not in "iu":
-            return self._entry(c, self.model.signature(c, unit=False))
-        if c.shape != self.model.shape:
-            self.model.signature(c)  # its one refusal
-        # Eq. 2's cells, whether one is not zero and their float32 copy (the prototypes' product) in one pass
+        self.model.check_shape(c)
+        # Eq. 2's cells, whether one is not zero and their float32 copy (the prototypes' product): one compiled pass
         sig32 = np.empty(self.protos.shape[1], dtype=np.float32)
-        sig, nonzero = self.model.cells(c, sig32)
+        if c.dtype.kind in "iuf":
+            sig, nonzero = self.model.cells(c, sig32)
+        else:
+            sig = self.model.signature(c, unit=False)
+            sig32[:], nonzero = sig, bool(sig.any())
         if not nonzero:
             return self.mean()
         m = int((self.protos @ sig32).argmax())
         if self.shrinkage is None:
             return self.entries[m]._replace(cells=sig)
-        from eldr_cli.routing.compiled import shrunk_activation
+        if c.dtype.kind in "iu":  # one compiled pass (routing.compiled), bit-identical to _shrunk
+            from eldr_cli.routing.compiled import shrunk_activation
 
-        a = np.empty(c.size, dtype=np.float32)
-        log_idle = np.empty(c.size, dtype=np.float32)
-        if shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a, log_idle):
-            return LiveEntry(a, np.log1p(log_idle, out=log_idle), m, sig)  # one compiled pass, as _shrunk
-        a = self._shrunk(c, m)
-        return LiveEntry(a, np.log1p(-a), m, sig)
-
-    def _entry(self, c: np.ndarray, sig: np.ndarray) -> LiveEntry:
-        """:meth:`entry` of counts that are not integers (their Eq. 2 cells ``sig``), in numpy."""
-        if not sig.any():
-            return self.mean()
-        m = int((self.protos @ sig.astype(np.float32, copy=False)).argmax())
-        if self.shrinkage is None:
-            return self.entries[m]._replace(cells=sig)
+            a = np.empty(c.size, dtype=np.float32)
+            log_idle = np.empty(c.size, dtype=np.float32)
+            if shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a, log_idle):
+                return LiveEntry(a, np.log1p(log_idle, out=log_idle), m, sig)
         a = self._shrunk(c, m)
         return LiveEntry(a, np.log1p(-a), m, sig)
 

@@ -80,10 +80,14 @@ class RoutingModel:
         from eldr_cli.method.signature import l2_normalize
 
         c = np.asarray(counts)
-        if c.shape != self.weights.shape:
-            raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
+        self.check_shape(c)
         x = self._cells(c)
         return l2_normalize(x.reshape(1, -1))[0] if unit else x
+
+    def check_shape(self, c: np.ndarray) -> None:
+        """Refuse counts of another shape than the artifact's [L, E] (EldrError)."""
+        if c.shape != self.weights.shape:
+            raise EldrError(f"signature has shape {c.shape}, the routing artifact expects {self.weights.shape}")
 
     def signatures(self, counts: list[np.ndarray], unit: bool = True) -> np.ndarray:
         """:meth:`signature` of each of ``counts`` (each [L, E], checked by the caller) as rows [n, N* x E], the same
