@@ -54,8 +54,8 @@ def encode_counts(counts: np.ndarray, tokens: int | None = None) -> dict:
 
 def decode_counts(obj: dict, widen: bool = True) -> np.ndarray:
     """Inverse of :func:`encode_counts`: int64 [L, E] (``widen=False``: in the wire's unsigned width, native byte
-    order; the proxy's request path, whose compiled loops read any integer width). Raises SignatureDecodeError
-    when malformed."""
+    order, read-only where that is the wire's order (a view of the inflated bytes); the proxy's request path,
+    whose compiled loops read any integer width). Raises SignatureDecodeError when malformed."""
     try:
         if obj.get("v") != VERSION:
             raise SignatureDecodeError(f"signature version {obj.get('v')!r} is not {VERSION}")
@@ -64,6 +64,8 @@ def decode_counts(obj: dict, widen: bool = True) -> np.ndarray:
         if obj.get("encoding") != "zlib+b64":
             raise SignatureDecodeError(f"unknown signature encoding {obj.get('encoding')!r}")
         raw = _inflate(_b64decode(obj["data"]))
+        if not widen and len(raw) == L * E * dt.itemsize and dt.isnative and L >= 0:
+            return np.ndarray((L, E), dtype=dt, buffer=raw)  # a read-only view of the inflated bytes: no copy
         arr = np.frombuffer(raw, dtype=dt)
         if arr.size != L * E:
             raise SignatureDecodeError(f"signature has {arr.size} values, shape says {L}x{E}")

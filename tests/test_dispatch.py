@@ -140,6 +140,7 @@ def test_a_signatures_inflate_gives_zlibs_bytes_and_refusals_and_the_wire_width_
         c = np.minimum(counts, top)
         narrow = decode_counts(encode_counts(c), widen=False)
         assert narrow.dtype == dtype and narrow.dtype.isnative and narrow.tolist() == c.tolist()
+        assert not narrow.flags.writeable  # a view of the inflated bytes (the compiled loops read it as it is)
     with pytest.raises(SignatureDecodeError, match="incorrect header check"):
         decode_counts({**encode_counts(counts), "data": "QUJD"})
 

@@ -138,10 +138,54 @@ def test_the_compiled_request_path_is_bit_identical_to_its_numpy_form(transform)
         if not want_cells.any():
             assert got is src.mean()
             continue
+        # the prototype BLAS's float32 product finds nearest, the cells as computed, the numpy shrinkage
+        assert got.prototype == int((src.protos @ want_cells.astype(np.float32)).argmax())
+        assert got.cells is not None and _bits(got.cells) == _bits(want_cells)
         a = src._shrunk(c, got.prototype)
         assert _bits(got.activation) == _bits(a) and _bits(got.log_idle) == _bits(np.log1p(-a))
         seen_protos.add(got.prototype)
     assert len(seen_protos) > 1
+
+
+def test_the_compiled_nearest_prototype_is_blass_or_declines():
+    """routing.compiled.nearest_certain answers only where BLAS's float32 product must give the same prototype: on
+    random prototypes (non-negative and signed) and vectors it agrees with ``argmax(protos @ v)`` whenever it answers;
+    on an exact tie, and on two prototypes a float32 rounding apart, it declines (-1), and eldr-live's entry then
+    takes BLAS's answer (the first of the tied rows), as before."""
+    from eldr_cli.routing.compiled import nearest_certain
+    from eldr_cli.routing.live_set import PrefillPredictor
+
+    rng = np.random.default_rng(11)
+    answered = 0
+    for i in range(400):
+        signed = i % 2 == 1
+        P = rng.random((int(rng.integers(2, 40)), int(rng.integers(1, 300)))).astype(np.float32)
+        if signed:
+            P -= np.float32(0.3)
+        v = (rng.random(P.shape[1]) * (rng.random(P.shape[1]) < 0.7)).astype(np.float32)
+        m = nearest_certain(P, v, signed)
+        if m >= 0:
+            answered += 1
+            assert m == int((P @ v).argmax())
+    assert answered > 300  # it answers almost always on random prototypes
+    P = rng.random((4, 64)).astype(np.float32)
+    v = rng.random(64).astype(np.float32)
+    best = int((P @ v).argmax())
+    tie = np.concatenate([P[:best], P[best:best + 1], P[best:]])  # the best row twice: an exact tie
+    assert nearest_certain(tie, v, False) == -1
+    close = tie.copy()
+    close[best + 1] = np.nextafter(close[best + 1], np.float32(2))  # one ulp above on every element
+    assert nearest_certain(close, v, False) == -1
+
+    model = _random_model(rng, "count")
+    src = PrefillPredictor(model)
+    c = rng.integers(0, 9, size=model.shape).astype(np.uint8)
+    cells32 = model.signature(c, unit=False).astype(np.float32)
+    src.protos = src.protos.copy()
+    src.protos[0] = src.protos[1] = cells32 * 4  # rows 0 and 1 tie, and are this request's nearest by far
+    got = src.entry(c)
+    assert got.prototype == 0 == int((src.protos @ cells32).argmax())
+    assert _bits(got.activation) == _bits(src._shrunk(c, 0))
 
 
 def test_counts_too_large_for_float32_keep_the_numpy_form():

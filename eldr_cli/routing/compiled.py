@@ -14,7 +14,11 @@ floating-point contraction off without ``fastmath``), so the values are bit-iden
   same integers is exact too while every layer's total is below 2**24, and where one is not the loop declines
   (returns False) and the caller keeps the numpy form.
 
-``tests/test_live_predictor.py`` checks both against their numpy forms bit for bit on random counts.
+- :func:`live_entry`: eldr-live's whole entry of one request in one call (the two above and the nearest prototype
+  by :func:`nearest_certain`, which answers only where BLAS's float32 product must give the same row, by a
+  rounding-error bound, and otherwise leaves it to BLAS).
+
+``tests/test_live_predictor.py`` checks them against their numpy forms bit for bit on random counts.
 """
 
 from __future__ import annotations
@@ -105,6 +109,97 @@ def shrunk_activation(counts, act, w, kappa, inv_k, a_max, a, neg_a):  # pragma:
     return True
 
 
+def _compiled_reassoc(fn):
+    """:func:`_compiled` with floating-point reassociation allowed (``fastmath`` reassoc and contract only): for
+    sums whose error is bounded whatever their order (:func:`_dots`)."""
+    try:
+        return njit(cache=True, fastmath={"reassoc", "contract"})(fn)
+    except RuntimeError:
+        return njit(fastmath={"reassoc", "contract"})(fn)
+
+
+@_compiled_reassoc
+def _dots(protos, v, out, size, signed):  # pragma: no cover - compiled
+    """``out[m]`` <- sum_j protos[m, j] v[j] and ``size[m]`` <- sum_j |protos[m, j] v[j]| in float64, for float32
+    ``protos`` and ``v`` as float64 (a product of two float32 values is exact in float64; the sums in whatever order
+    the compiler vectorizes them). Without ``signed`` (no term is negative) the size is the sum itself."""
+    for m in range(protos.shape[0]):
+        p = protos[m]
+        acc = 0.0
+        if signed:
+            tot = 0.0
+            for j in range(p.shape[0]):
+                x = p[j] * v[j]
+                acc += x
+                tot += abs(x)
+            size[m] = tot
+        else:
+            for j in range(p.shape[0]):
+                acc += p[j] * v[j]
+            size[m] = acc
+        out[m] = acc
+
+
+@_compiled
+def nearest_certain(protos, v32, protos_signed):  # pragma: no cover - compiled
+    """The row of ``protos`` [M, d] (float32) whose product with ``v32`` [d] (float32) is the largest *in numpy's
+    float32 product* (``int((protos @ v32).argmax())``, BLAS), where that is certain without computing it; else -1.
+    ``protos_signed``: whether a prototype has a negative element.
+
+    Any float32 evaluation of a dot product of n terms (BLAS's, in any order, with or without fused multiply-adds)
+    is within gamma_n S of the exact value, gamma_n = n u / (1 - n u) with u = 2^-24 and S the sum of the terms'
+    magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1). The exact values and
+    S are computed here in float64, to within n 2^-53 S. Where the best row's value exceeds every other row's by
+    more than twice both rows' bounds together, 2 (gamma_n + 2 n 2^-53) (S_best + S_m), the float32 product's
+    largest element is that row's and no other's: BLAS's answer, without BLAS. Otherwise (or on a NaN) -1."""
+    M, d = protos.shape
+    v = np.empty(d)
+    signed = protos_signed
+    for j in range(d):
+        v[j] = v32[j]
+        signed |= v32[j] < 0
+    dots = np.empty(M)
+    size = np.empty(M)
+    _dots(protos, v, dots, size, signed)
+    best = 0
+    for m in range(1, M):
+        if dots[m] > dots[best]:
+            best = m
+    n = d + 2.0
+    u32 = 2.0 ** -24
+    g = 2.0 * (n * u32 / (1.0 - n * u32) + 2.0 * n * 2.0 ** -53)
+    for m in range(M):
+        if m != best and not (dots[best] - dots[m] > g * (size[best] + size[m])):
+            return -1
+    return best
+
+
+@_compiled
+def live_entry(counts, mask, weights, code, protos, protos_signed, act, w, kappa, inv_k, a_max,
+               shrink):  # pragma: no cover - compiled
+    """eldr-live's entry of one request's integer counts in one call: Eq. 2's cells (:func:`eq2_row`), the nearest
+    prototype (:func:`nearest_certain`) and, with ``shrink``, the activation shrunk toward that prototype's mean
+    ``act[m]`` (:func:`shrunk_activation`) -> (status, m, cells [N* x E] float64, a [L*E] float32, -a).
+
+    status 0: every cell is zero (the caller takes the mean request); 1: done; 2: the nearest prototype too close
+    to call without BLAS (the cells are set: the caller finds it and shrinks); 3: the shrinkage declined (a
+    layer's counts reach 2**24; ``m`` and the cells are set: the caller shrinks in numpy)."""
+    d = mask.shape[0] * counts.shape[1]
+    sig = np.empty(d)
+    sig32 = np.empty(d, dtype=np.float32)
+    n_out = counts.size if shrink else 0
+    a = np.empty(n_out, dtype=np.float32)
+    neg_a = np.empty(n_out, dtype=np.float32)
+    if not eq2_row(counts, mask, weights, code, sig, sig32):
+        return 0, -1, sig, a, neg_a
+    m = nearest_certain(protos, sig32, protos_signed)
+    if m < 0:
+        return 2, -1, sig, a, neg_a
+    if shrink and not shrunk_activation(counts, act[m], w, kappa, inv_k, a_max, a, neg_a):
+        return 3, m, sig, a, neg_a
+    return 1, m, sig, a, neg_a
+
+
 _step = _compiled(step_ms_from_terms)  # the one step formula, compiled (as the simulator's step_time)
 
 
@@ -125,6 +220,15 @@ def live_costs(terms, loads, active, ctx, added, c_new, cost, growth):  # pragma
         growth[k] = t1 - tb + kt
 
 
+@_compiled
+def live_choice(terms, loads, active, ctx, added, c_new):  # pragma: no cover - compiled
+    """:func:`live_costs` into new arrays -> (cost, growth) [K] float64 (one call from Python, no allocations there)."""
+    cost = np.empty(loads.shape[0])
+    growth = np.empty(loads.shape[0])
+    live_costs(terms, loads, active, ctx, added, c_new, cost, growth)
+    return cost, growth
+
+
 def warm(widths=(np.int64,)) -> None:
     """Load (or compile) the loops for counts [L, E] of the integer ``widths`` now, not on the first request:
     loading takes a fraction of a second, compiling a few per width (once per machine, then cached). The proxy's
@@ -132,8 +236,14 @@ def warm(widths=(np.int64,)) -> None:
     a = np.empty(2, dtype=np.float32)
     f = np.ones(1, dtype=np.float32)
     for dt in widths:
-        c = np.zeros((1, 2), dtype=dt)
-        eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)
-        shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a, a.copy())
+        for writable in (True, False):  # the hand-off's counts are a read-only view of the inflated bytes
+            c = np.zeros((1, 2), dtype=dt)
+            c.setflags(write=writable)
+            eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)
+            shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a,
+                              a.copy())
+            live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.ones((1, 2), dtype=np.float32), False,
+                       np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
     live_costs(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, z, 0, z.copy(), z.copy())
+    live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)

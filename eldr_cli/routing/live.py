@@ -42,7 +42,7 @@ import numpy as np
 
 from eldr_cli.costmodel import StepTerms
 from eldr_cli.errors import EldrError
-from eldr_cli.routing.compiled import live_costs
+from eldr_cli.routing.compiled import live_choice
 from eldr_cli.routing.live_set import ActivationSource, LiveEntry, LiveSet, PrefillPredictor
 from eldr_cli.routing.model import RoutingModel
 from eldr_cli.routing.policies import Policy, Ranking, rerank
@@ -129,8 +129,7 @@ class EldrLivePolicy(Policy):
         # the same double operations in the same order as on Python floats); the growth is d cost / d B: one more
         # request there that these loads left out makes the new one's step kt longer and adds one more request it
         # slows down by (T1 - T) (the replicas' reservation redoes this rule on Redis's exact counts)
-        predicted, growth = np.empty(len(ld)), np.empty(len(ld))
-        live_costs(self._terms, np.asarray(ld, dtype=np.int64), active, C, q @ a_new, c_new, predicted, growth)
+        predicted, growth = live_choice(self._terms, np.asarray(ld, dtype=np.int64), active, C, q @ a_new, c_new)
         cost = predicted.tolist()
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         # near idle, in-flight counts say little about the work left and there is little to share: costs within

@@ -74,6 +74,7 @@ class PrefillPredictor:
                             f"its signatures {L}x{E}", hint="refit it with `eldr fit`")
         self.model = model
         self.protos = np.ascontiguousarray(protos, dtype=np.float32)  # float32: half the matvec
+        self._signed = bool((self.protos < 0).any())  # a negative prototype element (the search's bound then differs)
         self.act = np.ascontiguousarray(act, dtype=np.float32)        # [M + 1, L, E]
         self.entries = [entry_of(a, m) for m, a in enumerate(self.act)]
         self.table = np.stack([e.log_idle for e in self.entries])
@@ -83,8 +84,11 @@ class PrefillPredictor:
             inf = np.isinf(kappa)
             self._w = np.where(inf, 0.0, w).astype(np.float32)
             self._kappa = np.where(inf, 1.0, kappa).astype(np.float32)
-            self._inv_k = np.float32(1.0 / max(model.top_k, 1))
-            self._a_max = np.float32(MAX_ACTIVATION)
+        else:  # the compiled entry's arguments all the same (it does not read them without shrinkage)
+            self._w = self._kappa = np.zeros(act.shape[1], dtype=np.float32)
+        self._inv_k = np.float32(1.0 / max(model.top_k, 1))
+        self._a_max = np.float32(MAX_ACTIVATION)
+        self._eq2 = model.eq2_args  # Eq. 2's arguments to the compiled loops
         from eldr_cli.routing.compiled import warm
 
         warm()  # the request path's compiled loops are ready before the first request
@@ -100,11 +104,13 @@ class PrefillPredictor:
         """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape)."""
         if counts is None:
             return None
-        c = np.asarray(counts)
+        c = counts if type(counts) is np.ndarray else np.asarray(counts)
         self.model.check_shape(c)
-        # Eq. 2's cells, whether one is not zero and their float32 copy (the prototypes' product): one compiled pass
+        if c.dtype.kind in "iu":  # the hand-off's counts: one compiled call (routing.compiled.live_entry)
+            return self._entry_compiled(c)
+        # other counts (float, bool): Eq. 2's cells and their float32 copy (the prototypes' product), then numpy
         sig32 = np.empty(self.protos.shape[1], dtype=np.float32)
-        if c.dtype.kind in "iuf":
+        if c.dtype.kind == "f":
             sig, nonzero = self.model.cells(c, sig32)
         else:
             sig = self.model.signature(c, unit=False)
@@ -114,15 +120,31 @@ class PrefillPredictor:
         m = int((self.protos @ sig32).argmax())
         if self.shrinkage is None:
             return self.entries[m]._replace(cells=sig)
-        if c.dtype.kind in "iu":  # one compiled pass (routing.compiled), bit-identical to _shrunk
-            from eldr_cli.routing.compiled import shrunk_activation
-
-            a = np.empty(c.size, dtype=np.float32)
-            log_idle = np.empty(c.size, dtype=np.float32)
-            if shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a, log_idle):
-                return LiveEntry(a, np.log1p(log_idle, out=log_idle), m, sig)
         a = self._shrunk(c, m)
         return LiveEntry(a, np.log1p(-a), m, sig)
+
+    def _entry_compiled(self, c: np.ndarray) -> LiveEntry:
+        """:meth:`entry` of integer counts in one compiled call: the same cells, prototype and activation, bit for
+        bit (the prototype from BLAS's float32 product where the compiled search cannot be sure of it; the
+        activation from :meth:`_shrunk` where the compiled loop declines)."""
+        from eldr_cli.routing.compiled import live_entry, shrunk_activation
+
+        shrink = self.shrinkage is not None
+        status, m, sig, a, neg_a = live_entry(c, *self._eq2, self.protos, self._signed, self.act, self._w,
+                                              self._kappa, self._inv_k, self._a_max, shrink)
+        if status == 0:
+            return self.mean()
+        if status == 2:  # two prototypes within float32 rounding of each other: BLAS's product decides, as before
+            m = int((self.protos @ sig.astype(np.float32)).argmax())
+            if shrink and not shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a,
+                                                neg_a):
+                status = 3
+        if not shrink:
+            return self.entries[m]._replace(cells=sig)
+        if status == 3:
+            a = self._shrunk(c, m)
+            return LiveEntry(a, np.log1p(-a), m, sig)
+        return LiveEntry(a, np.log1p(neg_a, out=neg_a), m, sig)
 
     def _shrunk(self, counts: np.ndarray, m: int) -> np.ndarray:
         """method.live.shrink, in float32 and few passes over [L, E]: a = (1 - lam) A_m + (lam / T) c, flat

@@ -109,6 +109,14 @@ class RoutingModel:
 
         return weighted_cells(c[self.mask], self.transform, self._kept_weights).reshape(-1)
 
+    @property
+    def eq2_args(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(kept layers [N*], their weights [N*, E], the transform's code): Eq. 2's arguments to the compiled loops
+        (:mod:`eldr_cli.routing.compiled`)."""
+        from eldr_cli.routing.compiled import TRANSFORM_CODE
+
+        return self.mask, self._kept_weights, TRANSFORM_CODE[self.transform]
+
     def cells(self, c: np.ndarray, out32: np.ndarray | None = None) -> tuple[np.ndarray, bool]:
         """Eq. 2's cells of numeric counts ``c`` [L, E] (shape checked by the caller) as :meth:`_cells` gives them,
         and whether one is not zero; ``out32`` (float32 [N* x E]): also filled with them rounded to float32 (the
