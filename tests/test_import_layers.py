@@ -15,11 +15,7 @@ MARK = "<!-- import layers:"
 
 # edges left in a circle on purpose; each must still exist and still close a circle (a stale entry fails, so the
 # list stays true)
-KNOWN = {
-    # CostModel.load returns a RooflineCostModel (a subclass, in roofline.py) for a roofline artifact: the base
-    # class's one loader knows its subclass (a function-level import); every caller loads through it
-    ("eldr_cli.costmodel", "eldr_cli.costmodel.roofline"): "CostModel.load returns its roofline subclass",
-}
+KNOWN: dict[tuple[str, str], str] = {}  # none today (the last, CostModel.load -> roofline, became a registration)
 
 
 def modules(root: Path) -> dict[str, Path]:

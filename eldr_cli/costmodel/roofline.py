@@ -39,7 +39,6 @@ from typing import Callable, TypedDict
 
 import numpy as np
 
-from eldr_cli.costmodel import CostModel, StepTerms, step_ms_from_terms, write_cost_model
 from eldr_cli.costmodel.calibration import calibration_for
 from eldr_cli.costmodel.deployment import (
     DEPLOYMENT_KEYS,
@@ -49,6 +48,7 @@ from eldr_cli.costmodel.deployment import (
     deployment_from_params,
     plan,
 )
+from eldr_cli.costmodel.model import CostModel, StepTerms, register_source, step_ms_from_terms, write_cost_model
 from eldr_cli.costmodel.presets import DTYPE_BYTES, DTYPE_FLOPS, ModelFacts, device_facts, model_config, model_facts
 from eldr_cli.errors import EldrError
 
@@ -362,3 +362,6 @@ def run_cost_model(out: str | os.PathLike, model: str | os.PathLike, *, device: 
         "linearisation": "coefficients are the memory-bound form per MoE layer, KV at reference_context",
         "facts": asdict(f), "n_layers": f.moe_layers, "num_experts": f.num_experts},
         metrics=metrics)
+
+
+register_source("roofline", RooflineCostModel.from_params)  # CostModel.load of a roofline artifact
