@@ -111,6 +111,14 @@ def _decisions(app, path):
     return [(row["loads"], row["chosen"]) for row in map(orjson.loads, path.read_bytes().splitlines())]
 
 
+# How far over the least load an honest JSQ decision may land: Redis's slots lag the loads the decision saw by
+# this replica's operations still on their way (a release of a finished request, sent after its local count
+# dropped, and another stream's reservation not yet landed: the cap on the replica's own field is its held slots
+# plus every pending reservation). One of each: CI once saw loads [2, 0] go to the first, with no reservation
+# late, when the bound was one. A forged value that is not ignored fails the share test before this one.
+ON_THE_WAY = 2
+
+
 def _over(rows, bound):
     """The decisions whose worker's load was more than ``bound`` over the least load when decided."""
     return [(loads, c) for loads, c in rows if loads[c] > min(loads) + bound]
@@ -125,10 +133,10 @@ def test_the_issues_forged_slots_under_a_bare_key_are_ignored(cluster, tmp_path)
     assert min(per) >= 10, per  # the issue: 40 of 40 went to d1
     rows = _decisions(a, tmp_path / "dec0.jsonl")
     print(f"bare-key forgery, 4 streams x 10: per decoder {per}, largest spread at the decoders {spread}")
-    # JSQ on the loads it saw, give or take one release still on its way (steered, d1 would run 3 ahead); a late
-    # reservation decides locally on the loads of that later moment instead, so those are allowed (counted)
+    # JSQ on the loads it saw, give or take ON_THE_WAY (steered, d1 would run 3 ahead); a late reservation decides
+    # locally on the loads of that later moment instead, so those are allowed (counted)
     late = a.state.shared.reserver.results["timeout"]
-    assert len(rows) == 40 and len(_over(rows, 1)) <= late, (rows, late)
+    assert len(rows) == 40 and len(_over(rows, ON_THE_WAY)) <= late, (rows, late)
     # the bare key does not keep the forged field alive: the next cleanup (about 1/s) removes it
     assert _until(lambda: r.hget(f"{ns}:reserved", f"zz|decode|{dec[0]}") is None, 3)
 
@@ -143,7 +151,7 @@ def test_values_outside_the_range_are_ignored_and_counted(cluster, value, tmp_pa
     assert min(per) >= 6, (per, spread)  # of 24
     rows = _decisions(a, tmp_path / "dec0.jsonl")
     late = a.state.shared.reserver.results["timeout"]  # as above: a late answer decides on later loads
-    assert len(rows) == 24 and len(_over(rows, 1)) <= late, (rows, late)
+    assert len(rows) == 24 and len(_over(rows, ON_THE_WAY)) <= late, (rows, late)
     assert a.state.shared.rejected["reservation_range"] > 0
 
 
