@@ -142,7 +142,7 @@ class Dispatcher:
         if router.needs_signature or shadows is not None:  # the counts arrive in the wire's widths (handoff)
             from eldr_cli.routing.compiled import warm
 
-            warm(WIRE_DTYPES)
+            warm(WIRE_DTYPES, read_only=True)
 
     def handoff(self, t0_perf: float, answer: dict[str, Any], body: dict[str, Any],
                 ktp: dict[str, Any] | None) -> Handoff:

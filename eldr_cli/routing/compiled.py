@@ -36,13 +36,15 @@ _KT = StepTerms._fields.index("kt")  # the terms array is StepTerms in field ord
 EXACT_F32 = 1 << 24  # integers below this are exact in float32, and so is every partial sum below it
 
 
-def _compiled(fn):
-    """``njit`` with numba's on-disk cache (beside this file, else the user's cache directory); where neither is
-    writable, compiled in each process."""
+def _compiled(fn=None, **options):
+    """``njit`` (with ``options``) and numba's on-disk cache (beside this file, else the user's cache directory);
+    where neither is writable, compiled in each process. ``@_compiled`` or ``@_compiled(fastmath=...)``."""
+    if fn is None:
+        return lambda f: _compiled(f, **options)
     try:
-        return njit(cache=True)(fn)
+        return njit(cache=True, **options)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return njit(fn)
+        return njit(**options)(fn)
 
 
 @_compiled
@@ -109,16 +111,7 @@ def shrunk_activation(counts, act, w, kappa, inv_k, a_max, a, neg_a):  # pragma:
     return True
 
 
-def _compiled_reassoc(fn):
-    """:func:`_compiled` with floating-point reassociation allowed (``fastmath`` reassoc and contract only): for
-    sums whose error is bounded whatever their order (:func:`_dots`)."""
-    try:
-        return njit(cache=True, fastmath={"reassoc", "contract"})(fn)
-    except RuntimeError:
-        return njit(fastmath={"reassoc", "contract"})(fn)
-
-
-@_compiled_reassoc
+@_compiled(fastmath={"reassoc", "contract"})  # sums whose error is bounded whatever their order
 def _dots(protos, v, out, size, signed):  # pragma: no cover - compiled
     """``out[m]`` <- sum_j protos[m, j] v[j] and ``size[m]`` <- sum_j |protos[m, j] v[j]| in float64, for float32
     ``protos`` and ``v`` as float64 (a product of two float32 values is exact in float64; the sums in whatever order
@@ -229,21 +222,19 @@ def live_choice(terms, loads, active, ctx, added, c_new):  # pragma: no cover - 
     return cost, growth
 
 
-def warm(widths=(np.int64,)) -> None:
+def warm(widths=(np.int64,), read_only: bool = False) -> None:
     """Load (or compile) the loops for counts [L, E] of the integer ``widths`` now, not on the first request:
     loading takes a fraction of a second, compiling a few per width (once per machine, then cached). The proxy's
-    hand-off warms the wire's widths (``handoff.WIRE_DTYPES``) as well."""
+    hand-off warms the wire's widths (``handoff.WIRE_DTYPES``) with ``read_only`` too: its counts are a read-only
+    view of the inflated bytes (a separate compilation)."""
     a = np.empty(2, dtype=np.float32)
     f = np.ones(1, dtype=np.float32)
     for dt in widths:
-        for writable in (True, False):  # the hand-off's counts are a read-only view of the inflated bytes
+        for writable in (True, False) if read_only else (True,):
             c = np.zeros((1, 2), dtype=dt)
             c.setflags(write=writable)
-            eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)
-            shrunk_activation(c, np.zeros((1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), a,
-                              a.copy())
+            eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)  # RoutingModel.cells
             live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.ones((1, 2), dtype=np.float32), False,
                        np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
-    live_costs(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, z, 0, z.copy(), z.copy())
     live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)

@@ -98,7 +98,11 @@ class PrefillPredictor:
 
     def of_vector(self, v: np.ndarray) -> LiveEntry:
         """A request known only by its signature [N* x E] (no counts): its nearest prototype's mean."""
-        return self.entries[int((self.protos @ np.asarray(v, dtype=np.float32)).argmax())] if v.any() else self.mean()
+        return self.entries[self._nearest(np.asarray(v, dtype=np.float32))] if v.any() else self.mean()
+
+    def _nearest(self, v32: np.ndarray) -> int:
+        """The prototype nearest a float32 signature: the largest of BLAS's float32 product (its first on a tie)."""
+        return int((self.protos @ v32).argmax())
 
     def entry(self, counts: Any, key: Any = None) -> LiveEntry | None:
         """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape)."""
@@ -117,7 +121,7 @@ class PrefillPredictor:
             sig32[:], nonzero = sig, bool(sig.any())
         if not nonzero:
             return self.mean()
-        m = int((self.protos @ sig32).argmax())
+        m = self._nearest(sig32)
         if self.shrinkage is None:
             return self.entries[m]._replace(cells=sig)
         a = self._shrunk(c, m)
@@ -125,9 +129,9 @@ class PrefillPredictor:
 
     def _entry_compiled(self, c: np.ndarray) -> LiveEntry:
         """:meth:`entry` of integer counts in one compiled call: the same cells, prototype and activation, bit for
-        bit (the prototype from BLAS's float32 product where the compiled search cannot be sure of it; the
-        activation from :meth:`_shrunk` where the compiled loop declines)."""
-        from eldr_cli.routing.compiled import live_entry, shrunk_activation
+        bit (where the compiled search cannot be sure of the prototype, BLAS's float32 product finds it and
+        :meth:`_shrunk` shrinks, as where the compiled shrinkage declines)."""
+        from eldr_cli.routing.compiled import live_entry
 
         shrink = self.shrinkage is not None
         status, m, sig, a, neg_a = live_entry(c, *self._eq2, self.protos, self._signed, self.act, self._w,
@@ -135,13 +139,10 @@ class PrefillPredictor:
         if status == 0:
             return self.mean()
         if status == 2:  # two prototypes within float32 rounding of each other: BLAS's product decides, as before
-            m = int((self.protos @ sig.astype(np.float32)).argmax())
-            if shrink and not shrunk_activation(c, self.act[m], self._w, self._kappa, self._inv_k, self._a_max, a,
-                                                neg_a):
-                status = 3
+            m = self._nearest(sig.astype(np.float32))
         if not shrink:
             return self.entries[m]._replace(cells=sig)
-        if status == 3:
+        if status != 1:  # the rare ones (a prototype BLAS found, a layer's counts past 2**24): numpy's shrinkage
             a = self._shrunk(c, m)
             return LiveEntry(a, np.log1p(-a), m, sig)
         return LiveEntry(a, np.log1p(neg_a, out=neg_a), m, sig)

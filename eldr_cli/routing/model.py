@@ -121,9 +121,8 @@ class RoutingModel:
         """Eq. 2's cells of numeric counts ``c`` [L, E] (shape checked by the caller) as :meth:`_cells` gives them,
         and whether one is not zero; ``out32`` (float32 [N* x E]): also filled with them rounded to float32 (the
         request path's one pass: eldr-live's nearest prototype reads them)."""
-        from eldr_cli.routing.compiled import TRANSFORM_CODE, eq2_row
+        from eldr_cli.routing.compiled import eq2_row
 
         out = np.empty(self._kept_weights.size)
-        nonzero = eq2_row(c, self.mask, self._kept_weights, TRANSFORM_CODE[self.transform], out,
-                          _NO_CELLS32 if out32 is None else out32)
+        nonzero = eq2_row(c, *self.eq2_args, out, _NO_CELLS32 if out32 is None else out32)
         return out, bool(nonzero)
