@@ -121,24 +121,35 @@ class DriftWatch:
         model = self.state.model
         if mon is None or model is None:
             return
-        rows, nearest = [], []
+        run: list[Any] = []  # consecutive rows of one kind, scored together, the runs in order
+        live = False  # the run's kind: eldr-live's cells with the prototype its decision found, or signatures
         for enc in items:
             if isinstance(enc, tuple):
-                if enc[0] is model:
-                    rows.append(enc[1])
-                    nearest.append(enc[2] if len(enc) > 2 else -1)
-                continue
-            try:
-                c = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
-            except Exception:  # noqa: BLE001
-                continue
-            if c.shape == model.shape:
-                rows.append(model.signature(c, unit=False))
-                nearest.append(-1)
-        if rows:
-            S = np.stack(rows)  # model.signature(..., unit=False) of their counts, value for value
-            with self._lock:
-                mon.observe_batch(S, unit=False, nearest=np.asarray(nearest) if min(nearest) >= 0 else None)
+                if enc[0] is not model:
+                    continue
+                row: Any = (enc[1], enc[2]) if len(enc) > 2 and enc[2] >= 0 else enc[1]
+            else:
+                try:
+                    c = enc if isinstance(enc, np.ndarray) else decode_counts(enc)
+                except Exception:  # noqa: BLE001
+                    continue
+                if c.shape != model.shape:
+                    continue
+                row = model.signature(c, unit=False)
+            if run and isinstance(row, tuple) != live:
+                self._score_run(mon, run, live)
+                run = []
+            live = isinstance(row, tuple)
+            run.append(row)
+        if run:
+            self._score_run(mon, run, live)
+
+    def _score_run(self, mon: DriftMonitor, run: list[Any], live: bool) -> None:
+        with self._lock:
+            if live:  # one compiled pass over each request's cells
+                mon.observe_cells([r[0] for r in run], [r[1] for r in run])
+            else:  # model.signature(..., unit=False) of their counts, value for value
+                mon.observe_batch(np.stack(run), unit=False)
 
     def drain(self, timeout_s: float = 10.0) -> None:
         """Wait (at most ``timeout_s``) until every signature queued before this call is scored (tests, shutdown)."""

@@ -19,6 +19,9 @@ floating-point contraction off without ``fastmath``), so the values are bit-iden
   rounding-error bound, and otherwise leaves it to BLAS).
 
 ``tests/test_live_predictor.py`` checks them against their numpy forms bit for bit on random counts.
+
+Off the request path, :func:`drift_dots` gives the drift watch's similarities of one request's cells in one pass
+over them (to within rounding of BLAS's: ``tests/test_drift.py``).
 """
 
 from __future__ import annotations
@@ -193,6 +196,30 @@ def live_entry(counts, mask, weights, code, protos, protos_signed, act, w, kappa
     return 1, m, sig, a, neg_a
 
 
+@_compiled(fastmath={"reassoc", "contract"})  # the drift watch's figures are similarities to within rounding
+def drift_dots(cells, centroids, proto, out):  # pragma: no cover - compiled
+    """The drift watch's products of one request's Eq. 2 cells [d] (float64), in one pass over them:
+    ``out[0]`` <- |cells|^2, ``out[1 + k]`` <- cells . centroids[k] for the K rows of ``centroids`` [K, d],
+    ``out[K + 1]`` <- cells . proto (``proto`` [d], the prototype eldr-live's decision found nearest; empty: not
+    computed). float64 sums in whatever order the compiler vectorizes them (``DriftMonitor.observe_cells``)."""
+    K = centroids.shape[0]
+    sq = 0.0
+    for j in range(cells.shape[0]):
+        sq += cells[j] * cells[j]
+    out[0] = sq
+    for k in range(K):
+        c = centroids[k]
+        acc = 0.0
+        for j in range(cells.shape[0]):
+            acc += cells[j] * c[j]
+        out[1 + k] = acc
+    if proto.shape[0] == cells.shape[0]:
+        acc = 0.0
+        for j in range(cells.shape[0]):
+            acc += cells[j] * proto[j]
+        out[K + 1] = acc
+
+
 _step = _compiled(step_ms_from_terms)  # the one step formula, compiled (as the simulator's step_time)
 
 
@@ -237,4 +264,5 @@ def warm(widths=(np.int64,), read_only: bool = False) -> None:
             live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.ones((1, 2), dtype=np.float32), False,
                        np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
+    drift_dots(np.zeros(2), np.zeros((1, 2)), np.zeros(2), np.empty(3))  # the drift watch's (its own thread)
     live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)

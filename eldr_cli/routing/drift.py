@@ -100,16 +100,42 @@ class DriftMonitor:
         cs = S @ self.centroids.T
         if scale is not None:
             cs *= scale
-        top = cs.max(axis=1)
-        self._near.extend(top.tolist())
-        self._all.extend((cs.min(axis=1) >= top - self.tau).tolist())
+        ps = None
         if self.prototypes is not None:
             if nearest is None:
                 ps = (S @ self.prototypes.T).max(axis=1)
             else:
                 ps = np.einsum("ij,ij->i", S, self.prototypes[np.asarray(nearest)[keep]])
-            self._proto.extend((ps if scale is None else ps * scale[:, 0]).tolist())
-        self.seen += len(S)
+            ps = ps if scale is None else ps * scale[:, 0]
+        self._extend(cs, ps)
+
+    def observe_cells(self, rows: list[np.ndarray], nearest: list[int]) -> None:
+        """:meth:`observe_batch` of eldr-live's hand-offs (``unit=False`` with ``nearest``): each row [d] (float64
+        Eq. 2 cells, not normalized) read once by a compiled loop (``routing.compiled.drift_dots``), not stacked
+        and read by five array passes: each similarity the same to within rounding (the sums' order differs)."""
+        from eldr_cli.routing.compiled import drift_dots
+
+        K = len(self.centroids)
+        out = np.empty((len(rows), K + 2))
+        none = np.empty(0)
+        for i, (row, m) in enumerate(zip(rows, nearest, strict=True)):
+            drift_dots(row, self.centroids, none if self.prototypes is None else self.prototypes[m], out[i])
+        norm = np.sqrt(out[:, 0])
+        keep = norm > 0
+        if not keep.any():
+            return
+        scale = 1.0 / norm[keep]
+        out = out[keep]
+        self._extend(out[:, 1:K + 1] * scale[:, None], None if self.prototypes is None else out[:, K + 1] * scale)
+
+    def _extend(self, cs: np.ndarray, ps: np.ndarray | None) -> None:
+        """The window's new rows: their similarities to the centroids [n, K] and to their prototype [n] (or None)."""
+        top = cs.max(axis=1)
+        self._near.extend(top.tolist())
+        self._all.extend((cs.min(axis=1) >= top - self.tau).tolist())
+        if ps is not None:
+            self._proto.extend(ps.tolist())
+        self.seen += len(cs)
 
     def snapshot(self) -> dict[str, Any]:
         """Rolling means, the calibration's, thresholds and the verdict: ``drifted`` is None until a full
