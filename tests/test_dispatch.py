@@ -171,3 +171,29 @@ def test_a_signature_decodes_to_its_counts_and_refuses_what_the_standard_library
         except ValueError:
             have = None
         assert have == want, data
+
+
+def test_small_counts_travel_in_zlibs_stored_blocks_and_large_ones_deflated():
+    """The encoder stores counts of up to STORED_MAX bytes uncompressed inside the zlib stream (a copy and a checksum
+    to inflate on the proxy's request path) and deflates larger ones; both are the one wire format (any zlib reader,
+    the standard library's included, takes them) and decode to the same counts."""
+    import base64
+    import zlib
+
+    import numpy as np
+
+    from eldr_cli.handoff import STORED_MAX, decode_counts
+
+    rng = np.random.default_rng(1)
+    small = rng.poisson(0.3, (48, 128)).astype(np.int64)  # u1: 6,144 bytes
+    large = rng.poisson(0.3, (64, 512)).astype(np.int64)  # u1: 32,768 bytes
+    for counts, stored in ((small, True), (large, False)):
+        assert (counts.size <= STORED_MAX) == stored
+        enc = encode_counts(counts)
+        z = base64.b64decode(enc["data"])
+        raw = zlib.decompress(z)
+        assert raw == counts.astype(np.uint8).tobytes()
+        # a stored stream holds its bytes verbatim (2-byte header, 5-byte block header, 4-byte Adler-32); level 1
+        # shrinks these sparse counts well below their size
+        assert (len(z) == len(raw) + 11 and raw in z) if stored else len(z) < len(raw) // 2
+        assert decode_counts(enc).tolist() == counts.tolist()
