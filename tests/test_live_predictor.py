@@ -181,8 +181,9 @@ def test_the_compiled_nearest_prototype_is_blass_or_declines():
     src = PrefillPredictor(model)
     c = rng.integers(0, 9, size=model.shape).astype(np.uint8)
     cells32 = model.signature(c, unit=False).astype(np.float32)
-    src.protos = src.protos.copy()
-    src.protos[0] = src.protos[1] = cells32 * 4  # rows 0 and 1 tie, and are this request's nearest by far
+    protos = src.protos.copy()
+    protos[0] = protos[1] = cells32 * 4  # rows 0 and 1 tie, and are this request's nearest by far
+    src.protos = protos
     got = src.entry(c)
     assert got.prototype == 0 == int((src.protos @ cells32).argmax())
     assert _bits(got.activation) == _bits(src._shrunk(c, 0))
