@@ -170,100 +170,9 @@ def nearest_certain(protos, v32, protos_signed):  # pragma: no cover - compiled
     return best
 
 
-def coarse_table(protos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The prototypes [M, d] (float32) in two bytes an element for :func:`nearest_coarse`: (q [M, d] int16, scale
-    [M], top [M] float64) with ``protos[m] = q[m] * scale[m] + delta``, ``|delta| <= scale[m] / 2`` (round to nearest
-    of the float64 quotient), ``top[m]`` = max |protos[m]| (a row of zeros: scale 0, q 0, no error). One byte (int8)
-    was tried: its error (top / 254 an element) left 10-20 of 32 prototypes to read again on the stub's traffic;
-    two bytes' (top / 65534) is below the float32 product's own rounding bound."""
-    p = np.asarray(protos, dtype=np.float64)
-    top = np.abs(p).max(axis=1) if p.size else np.zeros(len(p))
-    scale = np.where(top > 0, top / 32767.0, 0.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.where(top[:, None] > 0, np.rint(p / np.where(scale > 0, scale, 1.0)[:, None]), 0.0)
-    return np.clip(np.nan_to_num(q), -32767, 32767).astype(np.int16), scale, top
-
-
-@_compiled(fastmath={"reassoc", "contract"})  # sums whose error is bounded whatever their order
-def _coarse_dots(q, v, out):  # pragma: no cover - compiled
-    """``out[m]`` <- sum_j q[m, j] v[j] (int16 ``q``, float64 ``v``) in float64."""
-    for m in range(q.shape[0]):
-        row = q[m]
-        acc = 0.0
-        for j in range(row.shape[0]):
-            acc += row[j] * v[j]
-        out[m] = acc
-
-
-@_compiled(fastmath={"reassoc", "contract"})
-def _dot_size(p, v, signed):  # pragma: no cover - compiled
-    """(sum_j p[j] v[j], sum_j |p[j] v[j]|) in float64 (:func:`_dots` of one row)."""
-    acc = 0.0
-    tot = 0.0
-    for j in range(p.shape[0]):
-        x = p[j] * v[j]
-        acc += x
-        tot += abs(x)
-    return acc, tot if signed else acc
-
-
-@_compiled
-def nearest_coarse(protos, q, scale, top, v32, protos_signed):  # pragma: no cover - compiled
-    """:func:`nearest_certain` reading the prototypes' two-byte copy (``coarse_table``: half the bytes; in the proxy
-    the search's cost is the prototypes' trip through the caches) and the float32 rows of the few it cannot tell
-    apart. With D_m the exact product and B_m BLAS's float32 one, |B_m - D_m| <= gamma_n S_m <= gamma_n top_m
-    V1 (V1 = sum_j |v_j|), and the one-byte product c_m is within scale_m V1 / 2 of D_m, so B_m lies in [lo_m, hi_m]
-    = c_m -+ (scale_m / 2 + gamma_n top_m) V1 (times 1 + 1e-9 for the float64 sums). The row b of the largest lo:
-    a row whose hi is below lo_b cannot be BLAS's answer. If b is the only one left, it is; otherwise the rows left
-    are compared exactly as :func:`nearest_certain` does (any of them within the rounding bound: -1, BLAS decides)."""
-    M, d = protos.shape
-    v = np.empty(d)
-    signed = protos_signed
-    v1 = 0.0
-    for j in range(d):
-        v[j] = v32[j]
-        signed |= v32[j] < 0
-        v1 += abs(v[j])
-    n = d + 2.0
-    u32 = 2.0 ** -24
-    gam = n * u32 / (1.0 - n * u32)
-    c = np.empty(M)
-    _coarse_dots(q, v, c)
-    lo = np.empty(M)
-    hi = np.empty(M)
-    b = 0
-    for m in range(M):
-        e = (0.5 * scale[m] + gam * top[m]) * v1 * (1.0 + 1e-9)
-        x = c[m] * scale[m]
-        lo[m] = x - e
-        hi[m] = x + e
-        if not (math.isfinite(lo[m]) and math.isfinite(hi[m])):
-            return -1  # a NaN or an infinity: BLAS decides, as before
-        if lo[m] > lo[b]:
-            b = m
-    left = 0
-    for m in range(M):
-        left += hi[m] >= lo[b]
-    if left == 1:
-        return b
-    g = 2.0 * (gam + 2.0 * n * 2.0 ** -53)
-    best, best_dot, best_size = -1, 0.0, 0.0
-    dots = np.empty(M)
-    size = np.empty(M)
-    for m in range(M):
-        if hi[m] >= lo[b]:
-            dots[m], size[m] = _dot_size(protos[m], v, signed)
-            if best < 0 or dots[m] > best_dot:
-                best, best_dot, best_size = m, dots[m], size[m]
-    for m in range(M):
-        if m != best and hi[m] >= lo[b] and not (best_dot - dots[m] > g * (best_size + size[m])):
-            return -1
-    return best
-
-
 @_compiled
 def live_entry(counts, mask, weights, code, protos, protos_signed, act, w, kappa, inv_k, a_max,
-               shrink, q, scale, top):  # pragma: no cover - compiled
+               shrink):  # pragma: no cover - compiled
     """eldr-live's entry of one request's integer counts in one call: Eq. 2's cells (:func:`eq2_row`), the nearest
     prototype (:func:`nearest_certain`) and, with ``shrink``, the activation shrunk toward that prototype's mean
     ``act[m]`` (:func:`shrunk_activation`) -> (status, m, cells [N* x E] float64, a [L*E] float32, -a).
@@ -279,7 +188,7 @@ def live_entry(counts, mask, weights, code, protos, protos_signed, act, w, kappa
     neg_a = np.empty(n_out, dtype=np.float32)
     if not eq2_row(counts, mask, weights, code, sig, sig32):
         return 0, -1, sig, a, neg_a
-    m = nearest_coarse(protos, q, scale, top, sig32, protos_signed)
+    m = nearest_certain(protos, sig32, protos_signed)
     if m < 0:
         return 2, -1, sig, a, neg_a
     if shrink and not shrunk_activation(counts, act[m], w, kappa, inv_k, a_max, a, neg_a):
@@ -352,10 +261,8 @@ def warm(widths=(np.int64,), read_only: bool = False) -> None:
             c = np.zeros((1, 2), dtype=dt)
             c.setflags(write=writable)
             eq2_row(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.empty(2), a)  # RoutingModel.cells
-            p = np.ones((1, 2), dtype=np.float32)
-            live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, p, False,
-                       np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True,
-                       *coarse_table(p))
+            live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.ones((1, 2), dtype=np.float32), False,
+                       np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
     drift_dots(np.zeros(2), np.zeros((1, 2)), np.zeros(2), np.empty(3))  # the drift watch's (its own thread)
     live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)

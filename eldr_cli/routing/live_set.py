@@ -73,7 +73,8 @@ class PrefillPredictor:
             raise EldrError(f"the routing artifact's decode-activation model is {act.shape[1]}x{act.shape[2]}, "
                             f"its signatures {L}x{E}", hint="refit it with `eldr fit`")
         self.model = model
-        self.protos = protos
+        self.protos = np.ascontiguousarray(protos, dtype=np.float32)  # float32: half the matvec
+        self._signed = bool((self.protos < 0).any())  # a negative prototype element (the search's bound then differs)
         self.act = np.ascontiguousarray(act, dtype=np.float32)        # [M + 1, L, E]
         self.entries = [entry_of(a, m) for m, a in enumerate(self.act)]
         self.table = np.stack([e.log_idle for e in self.entries])
@@ -91,19 +92,6 @@ class PrefillPredictor:
         from eldr_cli.routing.compiled import warm
 
         warm()  # the request path's compiled loops are ready before the first request
-
-    @property
-    def protos(self) -> np.ndarray:
-        """The prototypes [M, N* x E] (float32: half the matvec); set whole (their search's tables follow)."""
-        return self._protos
-
-    @protos.setter
-    def protos(self, protos: np.ndarray) -> None:
-        from eldr_cli.routing.compiled import coarse_table
-
-        self._protos = np.ascontiguousarray(protos, dtype=np.float32)  # (not to be changed in place: their copy)
-        self._signed = bool((self._protos < 0).any())  # a negative element (the search's bound then differs)
-        self._coarse = coarse_table(self._protos)  # their two-byte copy: the compiled search reads it first
 
     def mean(self) -> LiveEntry:
         return self.entries[-1]
@@ -147,7 +135,7 @@ class PrefillPredictor:
 
         shrink = self.shrinkage is not None
         status, m, sig, a, neg_a = live_entry(c, *self._eq2, self.protos, self._signed, self.act, self._w,
-                                              self._kappa, self._inv_k, self._a_max, shrink, *self._coarse)
+                                              self._kappa, self._inv_k, self._a_max, shrink)
         if status == 0:
             return self.mean()
         if status == 2:  # two prototypes within float32 rounding of each other: BLAS's product decides, as before
