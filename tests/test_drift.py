@@ -152,3 +152,17 @@ def test_drift_watch_scores_counts_and_signatures_alike_and_skips_beyond_its_que
     for c in held[:8]:
         w.observe(c)
     assert w.dropped == 3
+
+
+def test_cells_of_another_artifact_are_not_counted(tmp_path):
+    """The drift watch's compiled pass skips (does not count, does not read past) cells of another length than the
+    centroids' and a prototype index the artifact does not have (an artifact reloaded under the same path)."""
+    fit, held = _fit(tmp_path, 2, n=200)
+    model = RoutingModel.load(fit)
+    mon = DriftMonitor.for_model(model, load_routing_artifact(fit).params["drift"])
+    cells = model.signature(held[0], unit=False)
+    mon.observe_cells([cells, np.ones(len(cells) + 7), cells], [0, 0, 10_000])
+    assert mon.seen == 1
+    ref = DriftMonitor.for_model(model, load_routing_artifact(fit).params["drift"])
+    ref.observe_batch(cells[None, :], unit=False)
+    assert mon.snapshot()["centroid_similarity"] == pytest.approx(ref.snapshot()["centroid_similarity"], rel=1e-12)

@@ -201,8 +201,12 @@ def drift_dots(cells, centroids, proto, out):  # pragma: no cover - compiled
     """The drift watch's products of one request's Eq. 2 cells [d] (float64), in one pass over them:
     ``out[0]`` <- |cells|^2, ``out[1 + k]`` <- cells . centroids[k] for the K rows of ``centroids`` [K, d],
     ``out[K + 1]`` <- cells . proto (``proto`` [d], the prototype eldr-live's decision found nearest; empty: not
-    computed). float64 sums in whatever order the compiler vectorizes them (``DriftMonitor.observe_cells``)."""
+    computed). float64 sums in whatever order the compiler vectorizes them (``DriftMonitor.observe_cells``).
+    Cells of another length than the centroids' (an artifact reloaded under the same path): ``out[0]`` <- 0."""
     K = centroids.shape[0]
+    if cells.shape[0] != centroids.shape[1]:
+        out[0] = 0.0
+        return
     sq = 0.0
     for j in range(cells.shape[0]):
         sq += cells[j] * cells[j]

@@ -79,13 +79,10 @@ class DriftMonitor:
         for s in np.asarray(S):
             self.observe(s)
 
-    def observe_batch(self, S: np.ndarray, unit: bool = True, nearest: np.ndarray | None = None) -> None:
+    def observe_batch(self, S: np.ndarray, unit: bool = True) -> None:
         """:meth:`observe_many` as matrix products (each similarity to within rounding): the centroids and
-        prototypes are read once per batch, not once per signature (the proxy's drift watch). ``unit=False``: rows
-        not normalized (Eq. 2's cells); each product is divided by its row's norm instead (one pass fewer over
-        them). ``nearest`` (one prototype per row, what eldr-live's decision found nearest in float32): the
-        similarity to that prototype, in float64, instead of the search over all of them (the same prototype but
-        where two are within float32 rounding of each other, and then the same similarity to that rounding)."""
+        prototypes are read once per batch, not once per signature. ``unit=False``: rows not normalized (Eq. 2's
+        cells); each product is divided by its row's norm instead (one pass fewer over them)."""
         S = np.asarray(S, dtype=np.float64)
         if unit:
             keep = S.any(axis=1)
@@ -102,23 +99,26 @@ class DriftMonitor:
             cs *= scale
         ps = None
         if self.prototypes is not None:
-            if nearest is None:
-                ps = (S @ self.prototypes.T).max(axis=1)
-            else:
-                ps = np.einsum("ij,ij->i", S, self.prototypes[np.asarray(nearest)[keep]])
+            ps = (S @ self.prototypes.T).max(axis=1)
             ps = ps if scale is None else ps * scale[:, 0]
         self._extend(cs, ps)
 
     def observe_cells(self, rows: list[np.ndarray], nearest: list[int]) -> None:
-        """:meth:`observe_batch` of eldr-live's hand-offs (``unit=False`` with ``nearest``): each row [d] (float64
-        Eq. 2 cells, not normalized) read once by a compiled loop (``routing.compiled.drift_dots``), not stacked
-        and read by five array passes: each similarity the same to within rounding (the sums' order differs)."""
+        """eldr-live's hand-offs: each row [d] (float64 Eq. 2 cells, not normalized) and the prototype its decision
+        found nearest (the similarity to that one, not a search over all: the same prototype but where two are
+        within float32 rounding of each other), read once by a compiled loop (``routing.compiled.drift_dots``);
+        each similarity that of :meth:`observe_batch` to within rounding (the sums' order differs). A row of
+        another length than the centroids', or a prototype this artifact does not have, is not counted."""
         from eldr_cli.routing.compiled import drift_dots
 
         K = len(self.centroids)
         out = np.empty((len(rows), K + 2))
         none = np.empty(0)
+        M = 0 if self.prototypes is None else len(self.prototypes)
         for i, (row, m) in enumerate(zip(rows, nearest, strict=True)):
+            if self.prototypes is not None and not 0 <= m < M:
+                out[i, 0] = 0.0  # a prototype of another artifact: not counted
+                continue
             drift_dots(row, self.centroids, none if self.prototypes is None else self.prototypes[m], out[i])
         norm = np.sqrt(out[:, 0])
         keep = norm > 0
