@@ -80,6 +80,9 @@ class DriftWatch:
         self._offered += 1
 
     def _run(self) -> None:
+        from eldr_cli.routing.compiled import warm_drift
+
+        warm_drift()  # its compiled loop ready before the first pass (here: off the request path and the start-up's)
         wait = DRIFT_PERIOD_S
         while not self._stop:
             self._wake.wait(wait)

@@ -202,9 +202,10 @@ def drift_dots(cells, centroids, proto, out):  # pragma: no cover - compiled
     ``out[0]`` <- |cells|^2, ``out[1 + k]`` <- cells . centroids[k] for the K rows of ``centroids`` [K, d],
     ``out[K + 1]`` <- cells . proto (``proto`` [d], the prototype eldr-live's decision found nearest; empty: not
     computed). float64 sums in whatever order the compiler vectorizes them (``DriftMonitor.observe_cells``).
-    Cells of another length than the centroids' (an artifact reloaded under the same path): ``out[0]`` <- 0."""
+    Cells of another length than the centroids' or the prototype's (an artifact reloaded under the same path):
+    ``out[0]`` <- 0 (not counted), nothing read."""
     K = centroids.shape[0]
-    if cells.shape[0] != centroids.shape[1]:
+    if cells.shape[0] != centroids.shape[1] or 0 < proto.shape[0] != cells.shape[0]:
         out[0] = 0.0
         return
     sq = 0.0
@@ -217,7 +218,7 @@ def drift_dots(cells, centroids, proto, out):  # pragma: no cover - compiled
         for j in range(cells.shape[0]):
             acc += cells[j] * c[j]
         out[1 + k] = acc
-    if proto.shape[0] == cells.shape[0]:
+    if proto.shape[0] > 0:
         acc = 0.0
         for j in range(cells.shape[0]):
             acc += cells[j] * proto[j]
@@ -268,5 +269,10 @@ def warm(widths=(np.int64,), read_only: bool = False) -> None:
             live_entry(c, np.zeros(1, dtype=np.int64), np.ones((1, 2)), 0, np.ones((1, 2), dtype=np.float32), False,
                        np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
-    drift_dots(np.zeros(2), np.zeros((1, 2)), np.zeros(2), np.empty(3))  # the drift watch's (its own thread)
     live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)
+
+
+def warm_drift() -> None:
+    """Load (or compile) the drift watch's loop (:func:`drift_dots`): by the watch's own thread as it starts, not by
+    every eldr-live predictor's :func:`warm` (reports and simulations have no drift watch)."""
+    drift_dots(np.zeros(2), np.zeros((1, 2)), np.zeros(2), np.empty(3))
