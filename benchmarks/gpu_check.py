@@ -260,24 +260,12 @@ def attention() -> list[dict]:
     return rows
 
 
-def plugin_graph() -> dict:
-    """Issue 29 item 7 without vLLM: the plugin's router hook (``CaptureState.capture``, bound per layer as
-    ``bind_model`` binds it) inside a toy 48-layer router stack run (a) captured in a CUDA graph, (b) through
-    torch.compile then a CUDA graph, (c) torch.compile(mode="reduce-overhead") (its own CUDA graphs); each
-    replayed on fresh inputs: the picks buffer must equal the eager top-k ids. Then the after-forward work
-    (begin_forward + one fused accumulate for all layers) against the per-layer reference, and its cost."""
+def _router_stack(st, dev, Hd: int):
+    """A toy L-layer router stack whose routers call the plugin's hook (bound per layer as ``bind_model``
+    binds it), and a function giving its eager top-k ids [L, T, K] for an input."""
     import functools
 
     import torch
-
-    from eldr_cli.kernels import signature_cache as sc_mod
-    from eldr_cli.vllm_plugin.capture import CaptureState
-
-    dev = torch.device("cuda")
-    Hd, T, nb = 512, 256, 4096
-    st = CaptureState(layers=L, experts=E, top_k=K, device=dev, bound=True)
-    st.picks = torch.zeros(L, T + 64, K, dtype=torch.int32, device=dev)
-    st.token_blocks = torch.zeros(T + 64, dtype=torch.int64, device=dev)
 
     class Router(torch.nn.Module):
         def __init__(self, i):
@@ -311,8 +299,16 @@ def plugin_graph() -> dict:
                 out.append(ids)
         return torch.stack(out)
 
-    res: dict = {"layers": L, "tokens": T}
-    static = torch.randn(T, Hd, device=dev, dtype=torch.bfloat16)
+    return model, eager_ids
+
+
+def _graph_trials(model, eager_ids, st, static) -> dict:
+    """(a) a CUDA graph, (b) torch.compile then a CUDA graph, (c) torch.compile(mode="reduce-overhead"),
+    each replayed on 3 fresh inputs: does the picks buffer equal the eager top-k ids each time?"""
+    import torch
+
+    res: dict = {}
+    T = static.shape[0]
     for name, fn in (("cuda_graph", model), ("compile_then_cuda_graph", torch.compile(model, dynamic=False)),
                      ("compile_reduce_overhead", torch.compile(model, mode="reduce-overhead", dynamic=False))):
         try:
@@ -325,7 +321,7 @@ def plugin_graph() -> dict:
                     run = _graph(lambda fn=fn: fn(static))
                 ok = []
                 for _trial in range(3):
-                    static.copy_(torch.randn(T, Hd, device=dev, dtype=torch.bfloat16))
+                    static.copy_(torch.randn_like(static))
                     st.picks.zero_()
                     run()
                     torch.cuda.synchronize()
@@ -333,7 +329,17 @@ def plugin_graph() -> dict:
             res[name] = {"picks_equal_eager_on_fresh_inputs": ok}
         except Exception as e:  # noqa: BLE001 - a refusal here is the finding
             res[name] = {"error": repr(e)[:500]}
-    # the after-forward work: T tokens over 16-token blocks
+    return res
+
+
+def _after_forward(st, dev, T: int, nb: int) -> dict:
+    """The after-forward work (begin_forward + one fused accumulate for all layers) on T tokens over
+    16-token blocks against the per-layer reference, and its cost eager per layer, fused, and in a graph."""
+    import torch
+
+    from eldr_cli.kernels import signature_cache as sc_mod
+
+    res: dict = {}
     st.sc = sc_mod.SignatureCache.allocate(nb, L, E, BLOCK, K, device=dev)
     slots = torch.arange(T, device=dev, dtype=torch.int64) + 16 * 100
     ids = st.picks[:, :T].clone()
@@ -359,6 +365,29 @@ def plugin_graph() -> dict:
     res["after_forward_eager_per_layer_ms"] = _events_ms(per_layer, 20)
     res["after_forward_eager_fused_ms"] = _events_ms(fused, 20)
     res["after_forward_graph_fused_ms"] = _events_ms(_graph(fused), 20)
+    return res
+
+
+def plugin_graph() -> dict:
+    """Issue 29 item 7 without vLLM: the plugin's router hook (``CaptureState.capture``, bound per layer as
+    ``bind_model`` binds it) inside a toy 48-layer router stack run (a) captured in a CUDA graph, (b) through
+    torch.compile then a CUDA graph, (c) torch.compile(mode="reduce-overhead") (its own CUDA graphs); each
+    replayed on fresh inputs: the picks buffer must equal the eager top-k ids. Then the after-forward work
+    (begin_forward + one fused accumulate for all layers) against the per-layer reference, and its cost."""
+    import torch
+
+    from eldr_cli.vllm_plugin.capture import CaptureState
+
+    dev = torch.device("cuda")
+    Hd, T, nb = 512, 256, 4096
+    st = CaptureState(layers=L, experts=E, top_k=K, device=dev, bound=True)
+    st.picks = torch.zeros(L, T + 64, K, dtype=torch.int32, device=dev)
+    st.token_blocks = torch.zeros(T + 64, dtype=torch.int64, device=dev)
+    model, eager_ids = _router_stack(st, dev, Hd)
+    res: dict = {"layers": L, "tokens": T}
+    static = torch.randn(T, Hd, device=dev, dtype=torch.bfloat16)
+    res.update(_graph_trials(model, eager_ids, st, static))
+    res.update(_after_forward(st, dev, T, nb))
     return res
 
 

@@ -136,14 +136,16 @@ def round_sig(x: float, digits: int = 2) -> float:
     return float(round(x, digits - 1 - int(math.floor(math.log10(x)))))
 
 
-def typical_steps_ms(replay, rows: np.ndarray, max_tokens: int) -> tuple[float, float]:
+def typical_steps_ms(replay, rows: np.ndarray, max_tokens: int,
+                     steps: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
     """(batch-1 decode step, batch-1 prefill step) in ms, medians over the served rows: a decode step of
-    one request at its mid-decode context (prompt + max_tokens / 2), the prefill of its whole prompt."""
-    dec, pre = _batch1_steps_ms(replay, rows, max_tokens)
+    one request at its mid-decode context (prompt + max_tokens / 2), the prefill of its whole prompt
+    (``steps``: :func:`batch1_steps_ms`'s answer for the same arguments, when the caller has it)."""
+    dec, pre = steps if steps is not None else batch1_steps_ms(replay, rows, max_tokens)
     return float(np.median(dec)), float(np.median(pre))
 
 
-def _batch1_steps_ms(replay, rows: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def batch1_steps_ms(replay, rows: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Each served row's batch-1 decode step (mid-decode context) and batch-1 prefill step, in ms."""
     u = np.unique(np.asarray(rows, dtype=np.int64))
     top_k = int(replay.trace.model.get("top_k") or 1)
@@ -155,13 +157,14 @@ def _batch1_steps_ms(replay, rows: np.ndarray, max_tokens: int) -> tuple[np.ndar
 
 
 def default_slo(replay, rows: np.ndarray, max_tokens: int, tpot_ms: float | None = None,
-                ttft_ms: float | None = None) -> SLO:
+                ttft_ms: float | None = None, steps: tuple[np.ndarray, np.ndarray] | None = None) -> SLO:
     """The SLO of the report: the values given, else derived from the cost model and stated.
 
     The TTFT target bounds TTFT's p90, so it comes from the p90 prompt's prefill. From the median prompt's, a
     trace with a long tail of prompts nearly misses it at 10% load, and capacity then measures that tail, not
-    the decoders (on a captured trace, ~10 ms of median TTFT moved a router's capacity by 11%)."""
-    dec_all, pre_all = _batch1_steps_ms(replay, rows, max_tokens)
+    the decoders (on a captured trace, ~10 ms of median TTFT moved a router's capacity by 11%). ``steps``: as for
+    :func:`typical_steps_ms`."""
+    dec_all, pre_all = steps if steps is not None else batch1_steps_ms(replay, rows, max_tokens)
     dec = float(np.median(dec_all))
     pre = float(np.quantile(pre_all, TTFT_SLO_QUANTILE))
     tpot = tpot_ms or round_sig(TPOT_SLO_FACTOR * dec)

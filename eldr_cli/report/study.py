@@ -138,7 +138,13 @@ def build_setup(plan: ReportPlan, notes: list[str]) -> tuple[SimSetup, SLO, floa
     """(setup, SLO, the decoders' estimated best rate under it, the typical prefill step in ms): the shared inputs
     of every run, the SLO and the prefill pool (sized so TTFT does not bind; ``notes`` says so)."""
     from eldr_cli.pipeline.simulate import check_compatible, check_cost_model, trace_items
-    from eldr_cli.report.capacity import decode_rate_bound, default_prefill, default_slo, typical_steps_ms
+    from eldr_cli.report.capacity import (
+        batch1_steps_ms,
+        decode_rate_bound,
+        default_prefill,
+        default_slo,
+        typical_steps_ms,
+    )
     from eldr_cli.routing import RoutingModel
     from eldr_cli.routing.oracle import fit_oracle
     from eldr_cli.simulator.replay import TraceReplay
@@ -151,10 +157,11 @@ def build_setup(plan: ReportPlan, notes: list[str]) -> tuple[SimSetup, SLO, floa
     items, rows = trace_items(replay, plan.split)
     if not items:
         raise EldrError(f"the trace has no {plan.split!r} rows to serve")
-    slo = default_slo(replay, rows, plan.max_tokens, plan.slo_tpot_ms, plan.slo_ttft_ms)
+    steps = batch1_steps_ms(replay, rows, plan.max_tokens)
+    slo = default_slo(replay, rows, plan.max_tokens, plan.slo_tpot_ms, plan.slo_ttft_ms, steps=steps)
     ctx = float(np.median(replay.prompt_tokens[rows])) + plan.max_tokens / 2.0
     bound = decode_rate_bound(replay, plan.n_decode, plan.max_tokens, slo.tpot_p90_ms, context=ctx)
-    _, prefill_ms = typical_steps_ms(replay, rows, plan.max_tokens)
+    _, prefill_ms = typical_steps_ms(replay, rows, plan.max_tokens, steps=steps)
     n_prefill = plan.prefill or default_prefill(prefill_ms, bound, plan.n_decode)
     if plan.prefill is None:
         notes.append(f"prefill workers: {n_prefill}, sized to be at most 35% busy at {bound:.3g} req/s (the "
