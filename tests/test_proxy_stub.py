@@ -347,3 +347,48 @@ def test_decision_log_parquet_parts(tmp_path):
     df = pl.concat([pl.read_parquet(p) for p in parts])
     assert df["request_id"].to_list() == [f"r{i}" for i in range(5)]
     assert df["similarities"].to_list()[4] == [0.5, 1.0] and df["loads"].to_list()[2] == [2, 0]
+
+
+def test_a_proxy_with_a_routing_artifact_compiles_the_handoffs_loops_at_start_not_in_a_swap(routing3, monkeypatch):
+    """Compiling the signature loops took 11 s on a fresh machine (more when loaded): done in an admin swap to
+    eldr it stalled the event loop past the bench's admin timeout (`make demo` failed). A proxy that loads a
+    routing artifact compiles them when it is built, whatever policy it starts with; one without does not."""
+    import eldr_cli.routing.compiled as compiled
+    from eldr_cli.handoff import WIRE_DTYPES
+
+    calls: list = []
+    monkeypatch.setattr(compiled, "warm", lambda *a, **k: calls.append((a, k)))
+    decode = [f"http://127.0.0.1:{p}" for p in (9, 10, 11)]  # never contacted: nothing is started
+    create_app(ProxyConfig(prefill=["http://127.0.0.1:12"], decode=decode, routing=str(routing3), policy="round-robin"))
+    assert ((WIRE_DTYPES,), {"read_only": True}) in calls
+    calls.clear()
+    create_app(ProxyConfig(prefill=["http://127.0.0.1:12"], decode=decode, policy="jsq"))
+    assert calls == []
+
+
+def test_the_bench_says_the_admin_swap_timed_out_instead_of_an_empty_reason(monkeypatch):
+    """asyncio's timeout has no message: the sweep printed 'cannot reach the proxy admin endpoint at URL: '."""
+    import asyncio
+    import socket
+
+    import aiohttp
+
+    import eldr_cli.bench.serve as serve
+    from eldr_cli.errors import EldrError
+
+    monkeypatch.setattr(serve, "ADMIN_TIMEOUT_S", 0.3)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)  # accepts the connection, never answers
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            await serve._switch_policy(s, url, "eldr", None, TOKEN)
+
+    try:
+        with pytest.raises(EldrError) as e:
+            asyncio.run(go())
+    finally:
+        srv.close()
+    assert "did not answer POST /admin/policy ('eldr') within 0.3 s" in str(e.value)

@@ -31,6 +31,10 @@ from eldr_cli.bench.client import (
 from eldr_cli.bench.workload import ROW_REF_PREFIX, PromptItem, build_schedule
 from eldr_cli.errors import EldrError
 
+# an admin swap answers in milliseconds once the proxy has loaded its routing artifact; a loaded machine (or a
+# routing artifact swapped in) can take seconds
+ADMIN_TIMEOUT_S = 60.0
+
 
 @dataclass
 class SweepPlan:
@@ -62,7 +66,7 @@ def _admin_call(url: str, token: str | None, body: dict | None = None) -> dict:
                                  data=None if body is None else json.dumps(body).encode(),
                                  headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=15) as r:
+        with urllib.request.urlopen(req, timeout=ADMIN_TIMEOUT_S) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         raise EldrError(f"the proxy answered {path} with HTTP {e.code}: {e.read()[:300]!r}",
@@ -112,14 +116,17 @@ async def _switch_policy(session, url: str, router: str, tau: float | None, toke
     try:
         async with session.post(base_url(url) + "/admin/policy", json=body,
                                 headers={"Authorization": f"Bearer {token}"},
-                                timeout=aiohttp.ClientTimeout(total=15)) as r:
+                                timeout=aiohttp.ClientTimeout(total=ADMIN_TIMEOUT_S)) as r:
             text = await r.text()
             if r.status != 200:
                 raise EldrError(f"the proxy refused policy {router!r} (HTTP {r.status}): {text[:300]}",
                                 hint="check ELDR_ADMIN_TOKEN or --admin-token-file and that the proxy has a routing "
                                      "artifact for eldr/domain")
             return json.loads(text)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except asyncio.TimeoutError:
+        raise EldrError(f"the proxy at {url} did not answer POST /admin/policy ({router!r}) within "
+                        f"{ADMIN_TIMEOUT_S:g} s", hint="is it overloaded, or stopped? its log says") from None
+    except (aiohttp.ClientError, OSError) as e:
         raise EldrError(f"cannot reach the proxy admin endpoint at {url}: {e}") from None
 
 

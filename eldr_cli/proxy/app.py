@@ -60,6 +60,11 @@ class ProxyApp(AdminMixin, HealthMixin):
             self.shadow = ShadowSet(self.state, cfg.shadow)
             register_shadow_metrics(self.metrics.registry, self.shadow)
         st = self.state
+        if st.model is not None:  # every policy an admin may swap to that reads signatures: loops compiled now
+            from eldr_cli.handoff import WIRE_DTYPES  # (seconds, the first time on a machine), not in a swap
+            from eldr_cli.routing.compiled import warm
+
+            warm(WIRE_DTYPES, read_only=True)
         self.exchange = Exchange(cfg, self.metrics, st.prefill, st.prefix, st.shared, st, self._dispatcher())
         self._started = False
         self._health_task: asyncio.Task[None] | None = None
