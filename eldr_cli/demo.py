@@ -1,4 +1,4 @@
-"""`make demo`: the whole eldr path on one machine, end to end, in 5-10 minutes on a quiet 2-core machine.
+"""`make demo`: the whole eldr path on one machine, end to end, in 9-16 minutes on a 2-core machine.
 
 1. train the tiny qwen3_moe (`eldr model tiny --train`: 4 layers, 16 experts, top-2, a few CPU minutes, cached)
    on the training split of the shipped prompts, so its experts specialize (``--random-model``: the
