@@ -47,8 +47,7 @@ def main() -> None:
 
     if a.input != "counts":
         DecodeActivation.fit = fit_on_gates
-    sys.argv = [sys.argv[0], str(a.trace), "--decoders", str(a.decoders)]
-    predictor_regret.main()
+    predictor_regret.main([str(a.trace), "--decoders", str(a.decoders)])
 
 
 if __name__ == "__main__":

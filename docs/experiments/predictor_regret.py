@@ -58,11 +58,11 @@ def regret(y_in: np.ndarray, y_out: np.ndarray, pred: np.ndarray, b: int, draws:
     return float(np.mean(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path)
     ap.add_argument("--decoders", type=int, default=8)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     S, y, f, tok, labels, M, seed = captured_inputs(a.trace, a.decoders)
     R, L, E = y.shape
     n_held = min(int(round(q.HOLD_BACK * R)), q.MAX_HELD)  # the split of live_quality.predictor_quality
