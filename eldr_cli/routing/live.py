@@ -13,7 +13,14 @@ the next decode step with and without the new request through the cost model's s
     T'_d       = step(A_d + dA_d, B_d + 1, C_d + c_new)
     cost_d     = T'_d + B_d * (T'_d - T_d)                        new request's TPOT + slowdown of the others
 
-and picks the decoder with the least cost among those within a load cap of the least loaded. Ties go to
+and picks the decoder with the least cost among those within a load cap of the least loaded. Under load
+(decoders run ``LOW_LOAD_MEAN`` or more requests on average) each cost is ranked times eldr's band as a prior::
+
+    prior_d    = 1 + BAND_PRIOR * (max_j s_j - s_d) / tau         s_d: the request's cosine to d's centroid
+
+(the paper's band, §4.3.2, made soft: a decoder far from the request's cluster must be that much cheaper; it
+keeps each decoder's batch drawn from a stable share of the traffic, which the one-request-ahead cost does not
+see; none without the fit's centroids for these K decoders or the request's prefill counts). Ties go to
 fewer in flight, then to the decoder sent a request longest ago (as round-robin would); while decoders run
 fewer than ``LOW_LOAD_MEAN`` requests on average, costs within ``COST_TIE`` count as ties, because in-flight
 counts then say little about the work left and there is little to share (measured: without it eldr-live
@@ -27,10 +34,10 @@ Replicas share the live set as integer counts per (decoder, prototype) plus cont
 replica's request counts as its prototype's mean, a replica's own requests as their own prediction.
 
 The ranking it returns holds the predicted costs, their growth per request in flight that the loads left out
-(``d cost / d B = T1 - T + kt``) and the load cap (slack): the replicas' reservation redoes this rule on Redis's
-exact counts (the least ``cost + (exact - seen) * growth`` among the decoders within the cap of the least
-reserved, ties within ``COST_TIE`` to fewer in flight), so that neither the cap nor the ranking rests on this
-replica's stale view of the others' requests.
+(``d cost / d B = T1 - T + kt``), the prior and the load cap (slack): the replicas' reservation redoes this rule
+on Redis's exact counts (the least ``(cost + (exact - seen) * growth) * prior`` among the decoders within the
+cap of the least reserved, ties within ``COST_TIE`` to fewer in flight), so that neither the cap nor the
+ranking rests on this replica's stale view of the others' requests.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ COST_TIE = 0.03          # costs within 3% are ties ...
 LOW_LOAD_MEAN = 4.0      # ... while decoders run fewer than this many requests on average
 LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the least loaded ...
 LOAD_CAP_FRACTION = 0.25  # ... or this share of the mean load, whichever is larger
+# Under load (LOW_LOAD_MEAN or more in flight on average) each decoder's cost is ranked times
+# 1 + BAND_PRIOR * (max_j s_j - s_k) / tau, s_k the request's cosine to decoder k's centroid (the band's)
+BAND_PRIOR = 0.5
 
 
 class LiveDetail(NamedTuple):
@@ -105,6 +115,10 @@ class EldrLivePolicy(Policy):
         self.live = live_set(n_workers, model, cost, source)  # the public live-set API (routing.live_set)
         self.terms = self.live.terms
         self._terms = np.asarray(self.terms, dtype=np.float64)  # what the compiled cost loop reads
+        # the band prior needs a centroid per decoder (a fit for another K has none to offer: no prior)
+        self.band_prior = BAND_PRIOR
+        self._centroids = model.centroids if model is not None and model.n_clusters == n_workers else None
+        self._tau = max(float(model.tau), 1e-9) if model is not None else 1.0
 
     def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
         """The request's live entry from its prefill counts (what the router passes to :meth:`rank`)."""
@@ -137,9 +151,25 @@ class EldrLivePolicy(Policy):
         tie = COST_TIE if sum(ld) < LOW_LOAD_MEAN * len(ld) else 1e-9
         # the one rule (policies.rerank), tie order: the decoder sent a request longest ago first (then index)
         order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
+        prior = self._prior(getattr(detail, "cells", None), tie)
+        if prior is not None:
+            cost = (predicted * prior).tolist()
         w = rerank(cost, ld, slack, tie, order)
         return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=predicted, detail=detail,
-                       growth_ms=growth, tie=tie)
+                       growth_ms=growth, tie=tie, prior=prior)
+
+    def _prior(self, cells: np.ndarray | None, tie: float) -> np.ndarray | None:
+        """The band prior [K] on the request's Eq. 2 cells: under load only (near idle, ``tie`` > 0, requests spread
+        as before), a decoder costs more the further its centroid is from the request than the nearest centroid,
+        in units of the band's width tau; None without cells, centroids or a prior."""
+        if tie > 1e-9 or cells is None or self._centroids is None or not self.band_prior:
+            return None
+        v = cells.reshape(-1)
+        norm = math.sqrt(float(v @ v))
+        if norm == 0.0:
+            return None
+        s = self._centroids @ v
+        return 1.0 + (self.band_prior / (norm * self._tau)) * (s.max() - s)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

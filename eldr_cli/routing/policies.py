@@ -78,7 +78,8 @@ class Ranking:
     ``detail``: what the policy needs back in ``on_dispatch`` (eldr-live: the request's prototype and context tokens);
     ``growth_ms`` (with ``predicted_ms``): how much each worker's predicted cost grows per request in flight
     there that the decision's loads left out, so that the reservation can redo the decision on Redis's exact
-    counts (``predicted_ms + (exact - seen) * growth_ms``, ties within ``tie`` to fewer in flight).
+    counts (``predicted_ms + (exact - seen) * growth_ms``, ties within ``tie`` to fewer in flight); ``prior``: a
+    factor per worker on both that the rule ranks by (eldr-live's band prior; None: 1), :meth:`costs`.
     """
 
     first: int
@@ -90,6 +91,16 @@ class Ranking:
     detail: Any = None
     growth_ms: np.ndarray | None = None  # [K] predicted cost's growth per request the decision did not see
     tie: float = 0.0                     # costs within this fraction of the least are ties (fewer in flight wins)
+    prior: np.ndarray | None = None      # [K] factor on predicted cost and growth that the rule ranks by
+
+    def costs(self) -> tuple[list[float], list[float]] | None:
+        """(cost, growth) per worker as the rule ranks them: ``predicted_ms`` and ``growth_ms`` times ``prior``
+        (None without predicted costs)."""
+        if self.predicted_ms is None or self.growth_ms is None:
+            return None
+        if self.prior is None:
+            return self.predicted_ms.tolist(), self.growth_ms.tolist()
+        return (self.predicted_ms * self.prior).tolist(), (self.growth_ms * self.prior).tolist()
 
     def rerank(self, loads: Sequence[int], seen: Sequence[int] | None = None,
                candidates: Sequence[int] | None = None) -> int:
@@ -99,12 +110,13 @@ class Ranking:
         costs, by position in the order. What the reservation's Lua script computes in Redis."""
         seen = loads if seen is None else seen
         order = list(self.preference(self.first, seen) if candidates is None else candidates)
-        if self.predicted_ms is None or self.growth_ms is None:
+        cg = self.costs()
+        if cg is None:
             cost = [0.0] * len(loads)
             for j, k in enumerate(order):
                 cost[k] = float(j)
             return rerank(cost, loads, self.slack or 0, 0.0, order)
-        c, g = self.predicted_ms.tolist(), self.growth_ms.tolist()
+        c, g = cg
         adj = [c[k] + (loads[k] - seen[k]) * g[k] for k in range(len(loads))]
         return rerank(adj, loads, self.slack or 0, self.tie, order)
 
@@ -116,6 +128,8 @@ class Ranking:
             return list(self.candidates)
         n = len(loads)
         cost = self.predicted_ms.tolist() if self.predicted_ms is not None else list(range(n))
+        if self.prior is not None and self.predicted_ms is not None:
+            cost = (self.predicted_ms * self.prior).tolist()
         cap = min(loads) + (self.slack or 0)
         return [worker, *sorted((k for k in range(n) if k != worker), key=lambda k: (loads[k] > cap, cost[k]))]
 

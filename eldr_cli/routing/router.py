@@ -164,9 +164,10 @@ class DecodeRouter:
         if r is None or r.slack is None:
             return None
         order = r.preference(decision.worker, loads)
-        if r.predicted_ms is None or r.growth_ms is None:
+        cg = r.costs()  # as the rule ranks them (eldr-live's band prior included)
+        if cg is None:
             return Offer(order, r.slack)
-        cost, growth = r.predicted_ms.tolist(), r.growth_ms.tolist()
+        cost, growth = cg
         return Offer(order, r.slack, [cost[k] for k in order], [growth[k] for k in order], r.tie)
 
     def _signature(self, counts, key) -> tuple[np.ndarray | None, str]:
