@@ -3,7 +3,8 @@
 Two decoders, one layer of four experts; decoder k's centroid is expert k's axis (the band's s_k is the request's
 cosine to it). Prototype 0 decodes on experts {0, 1}, prototype 1 on {2, 3}. A request with prefill counts
 (3, 1, 0, 0) has s = (3, 1) / sqrt(10) = (0.949, 0.316); with tau = 0.1 and a = 0.5 the prior is
-(1, 1 + 0.5 * 0.632 / 0.1) = (1, 4.16).
+(1, 1 + 0.5 * 0.632 / 0.1) = (1, 4.16). The weight is the fit's: 0.5 where its calibration requests sit inside
+their own band (mean cosine to their centroid >= 1 - tau / 2), else 0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 from eldr_cli.costmodel import CostModel
 from eldr_cli.routing import RoutingModel, make_router
 from eldr_cli.routing.clairvoyant import ClairvoyantPolicy
-from eldr_cli.routing.live import BAND_PRIOR, EldrLivePolicy, LiveDetail
+from eldr_cli.routing.live import BAND_PRIOR, EldrLivePolicy, LiveDetail, band_prior_weight
 from eldr_cli.routing.live_set import PrefillPredictor
 
 COST = CostModel(a_ms=1.0, b_ms=0.5, c_ms=0.1, source="given")
@@ -28,7 +29,8 @@ PRIOR = np.array([1.0, 1.0 + 0.5 * (3 - 1) / math.sqrt(10) / 0.1])
 def _model(tau: float = 0.1) -> RoutingModel:
     protos = np.array([[1.0, 0, 0, 0], [0, 0, 1.0, 0]])
     act = np.array([[[0.5, 0.5, 0, 0]], [[0, 0, 0.5, 0.5]], [[0.25, 0.25, 0.25, 0.25]]], dtype=np.float32)
-    return RoutingModel("count", np.ones((1, 4)), np.arange(1), np.eye(2, 4), tau=tau, live=(protos, act))
+    return RoutingModel("count", np.ones((1, 4)), np.arange(1), np.eye(2, 4), tau=tau, live=(protos, act),
+                        band_prior=BAND_PRIOR)
 
 
 def _loaded(pol: EldrLivePolicy, n: int = 5) -> EldrLivePolicy:
@@ -43,7 +45,7 @@ def _loaded(pol: EldrLivePolicy, n: int = 5) -> EldrLivePolicy:
 
 def _policy() -> EldrLivePolicy:
     pol = make_router("eldr-live", 2, model=_model(), cost=COST).policy
-    assert isinstance(pol, EldrLivePolicy) and pol.band_prior == BAND_PRIOR == 0.5
+    assert isinstance(pol, EldrLivePolicy) and pol.band_prior == BAND_PRIOR == 0.5  # the model's
     return pol
 
 
@@ -99,3 +101,29 @@ def test_the_clairvoyant_twin_has_no_prior_given_the_truth_there_is_nothing_to_h
     _loaded(twin.policy)
     d = twin.decide(COUNTS, [5, 5], key=0, tokens=0)
     assert d.ranking.prior is None and d.worker == 1  # its experts run on decoder 1
+
+
+def test_the_fit_trusts_the_band_only_where_its_requests_sit_inside_it():
+    assert band_prior_weight({"centroid": {"mean": 0.969}}, 0.1) == 0.5  # the demo's trace
+    assert band_prior_weight({"centroid": {"mean": 0.915}}, 0.1) == 0.0  # GENERATED Qwen3 shape
+    assert band_prior_weight({"centroid": {"mean": 0.915}}, 0.2) == 0.5  # a wider band
+    assert band_prior_weight(None, 0.1) == 0.0 and band_prior_weight({}, 0.1) == 0.0
+
+
+def test_a_fitted_artifact_carries_its_weight_and_one_fitted_before_it_has_none(tmp_path):
+    import json
+
+    from _proxy_util import build_routing
+
+    routing = build_routing(tmp_path, decoders=3) / "routing"
+    manifest = routing / "manifest.json"
+    p = json.loads(manifest.read_text())["params"]
+    assert p["band_prior"] == band_prior_weight(p["drift"], p["tau"])
+    assert RoutingModel.load(routing).band_prior == p["band_prior"]
+    m = json.loads(manifest.read_text())
+    m["params"]["band_prior"] = 0.5
+    manifest.write_text(json.dumps(m))
+    assert RoutingModel.load(routing).band_prior == 0.5
+    del m["params"]["band_prior"]
+    manifest.write_text(json.dumps(m))
+    assert RoutingModel.load(routing).band_prior == 0.0

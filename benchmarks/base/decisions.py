@@ -24,8 +24,11 @@ def build(rng):
     # eldr-live's per-request predictor (issue 35): the prototype's mean shrunk toward the request's own prefill
     # distribution on every layer (the fit keeps kappa = inf where the prototype alone predicts better)
     shrink = (np.full(L, 32.0), np.full(L, 0.5))
+    # and its band prior under load (every decision here is under load: the prior's cost is in each one)
+    from eldr_cli.routing.live import BAND_PRIOR
+
     return RoutingModel("count-idf", rng.random((L, E)) + 0.1, mask, cent, tau=0.1, live=(protos, act),
-                        live_shrinkage=shrink, top_k=8)
+                        live_shrinkage=shrink, top_k=8, band_prior=BAND_PRIOR)
 
 
 def percentiles(ns: list[int]) -> dict:

@@ -159,6 +159,21 @@ def _print_routing(path: Path) -> None:
                   f"{min(m['cluster_sizes'])}..{max(m['cluster_sizes'])} (cap {m['capacity']}), mean cosine "
                   f"distance {m['mean_cosine_distance']:.4f}, {m['n_iter']} iterations, {m['fit_s']:.2f} s -> {path}")
     _print_predictor(a.params.get("live_predictor"), m.get("live_predictor_quality"))
+    _print_band_prior(a.params)
+
+
+def _print_band_prior(p: dict) -> None:
+    """Whether eldr-live ranks by the band under load, and the calibration figure that decided it."""
+    from eldr_cli.console import console
+    from eldr_cli.routing.live import BAND_TRUST
+
+    mean = ((p.get("drift") or {}).get("centroid") or {}).get("mean")
+    if p.get("live_predictor") is None or mean is None:
+        return
+    bar = 1.0 - BAND_TRUST * float(p["tau"])
+    w = float(p.get("band_prior") or 0.0)
+    console.print(f"eldr-live band prior {w:g} under load: calibration requests' mean cosine to their centroid "
+                  f"{mean:.3f} {'>=' if w else '<'} {bar:.3f} (1 - {BAND_TRUST:g} tau)")
 
 
 def _print_predictor(chosen: str | None, quality: dict | None) -> None:

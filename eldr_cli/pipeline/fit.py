@@ -161,8 +161,10 @@ def _write_live(w: ArtifactWriter, live, S: np.ndarray, centroids: np.ndarray, t
     """The routing artifact's parts that depend on eldr-live's decode-activation model (``live``, None when
     the calibration rows have no decode): the drift watch's calibration, the live predictor."""
     from eldr_cli.routing.drift import calibration_stats
+    from eldr_cli.routing.live import band_prior_weight
 
-    w.params.update({"drift": calibration_stats(S, centroids, None if live is None else live.prototypes_, tau),
+    drift = calibration_stats(S, centroids, None if live is None else live.prototypes_, tau)
+    w.params.update({"drift": drift, "band_prior": 0.0 if live is None else band_prior_weight(drift, tau),
                      "live_prototypes": None if live is None else int(live.prototypes_.shape[0]),
                      "live_predictor": None if live is None else live.predictor_})
     if live is not None:  # what the eldr-live policy predicts a request's decode experts from

@@ -64,6 +64,7 @@ def run_fit_from_log(log, out, *, routing, decoders: int | None = None, tau: flo
     from eldr_cli.pipeline import checks
     from eldr_cli.routing import RoutingModel
     from eldr_cli.routing.drift import calibration_stats
+    from eldr_cli.routing.live import band_prior_weight
     from eldr_cli.routing.model import load_routing_artifact
 
     if routing is None:
@@ -81,8 +82,9 @@ def run_fit_from_log(log, out, *, routing, decoders: int | None = None, tau: flo
     km = BalancedKMeans(K, seed=seed).fit(S)
     protos = None if model.live is None else model.live[0]
     p = dict(src.params)
+    drift = calibration_stats(S, km.centroids_, protos, tau)
     p.update({"n_clusters": K, "tau": tau, "seed": seed, "balanced": True, "split": "decision-log",
-              "drift": calibration_stats(S, km.centroids_, protos, tau),
+              "drift": drift, "band_prior": 0.0 if model.live is None else band_prior_weight(drift, tau),
               "refit": {"from": "decision-log", "rows": int(len(S)), "skipped": skipped}})
     with ArtifactWriter(out, kind="routing", params=p, inputs={"decision_log": str(log), "routing": str(routing)}) as w:
         w.write_array("weights", model.weights)

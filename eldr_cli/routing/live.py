@@ -63,8 +63,11 @@ LOW_LOAD_MEAN = 4.0      # ... while decoders run fewer than this many requests 
 LOAD_CAP_MIN = 2          # a decoder may run this many more requests than the least loaded ...
 LOAD_CAP_FRACTION = 0.25  # ... or this share of the mean load, whichever is larger
 # Under load (LOW_LOAD_MEAN or more in flight on average) each decoder's cost is ranked times
-# 1 + BAND_PRIOR * (max_j s_j - s_k) / tau, s_k the request's cosine to decoder k's centroid (the band's)
+# 1 + BAND_PRIOR * (max_j s_j - s_k) / tau, s_k the request's cosine to decoder k's centroid (the band's) ...
 BAND_PRIOR = 0.5
+# ... where the fit finds the band tight: its calibration requests' mean cosine to their nearest centroid is at
+# least 1 - BAND_TRUST * tau (they sit well inside their own band; band_prior_weight)
+BAND_TRUST = 0.5
 
 
 class LiveDetail(NamedTuple):
@@ -94,6 +97,14 @@ def step_form(cost, n_layers: int) -> StepTerms:
     return terms._replace(kb=terms.kb * cost.spread_active(1.0))
 
 
+def band_prior_weight(drift: dict | None, tau: float) -> float:
+    """The band prior's weight ``eldr fit`` stores (``params.band_prior``) from its calibration figures (``drift``:
+    :func:`eldr_cli.routing.drift.calibration_stats`): :data:`BAND_PRIOR` where the calibration requests' mean
+    cosine to their nearest centroid is at least ``1 - BAND_TRUST * tau``, else 0 (no prior)."""
+    mean = ((drift or {}).get("centroid") or {}).get("mean")
+    return BAND_PRIOR if mean is not None and float(mean) >= 1.0 - BAND_TRUST * float(tau) else 0.0
+
+
 def live_set(n_workers: int, model: RoutingModel | None, cost=None,
              source: ActivationSource | None = None) -> LiveSet:
     """A live set over ``n_workers`` decoders predicting with the routing artifact's decode-activation model (or
@@ -116,8 +127,10 @@ class EldrLivePolicy(Policy):
         self.terms = self.live.terms
         self._terms = np.asarray(self.terms, dtype=np.float64)  # what the compiled cost loop reads
         # the band prior needs a centroid per decoder (a fit for another K has none to offer: no prior)
-        self.band_prior = BAND_PRIOR
-        self._centroids = model.centroids if model is not None and model.n_clusters == n_workers else None
+        self.band_prior = 0.0 if model is None else model.band_prior  # the fit's (band_prior_weight)
+        # (float32: BLAS's single-precision product is 2-3x faster than double's at K=16, d=2,560)
+        self._centroids = model.centroids.astype(np.float32) if model is not None and model.n_clusters == n_workers \
+            else None
         self._tau = max(float(model.tau), 1e-9) if model is not None else 1.0
 
     def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
@@ -164,11 +177,11 @@ class EldrLivePolicy(Policy):
         in units of the band's width tau; None without cells, centroids or a prior."""
         if tie > 1e-9 or cells is None or self._centroids is None or not self.band_prior:
             return None
-        v = cells.reshape(-1)
+        v = cells.reshape(-1).astype(np.float32)
         norm = math.sqrt(float(v @ v))
         if norm == 0.0:
             return None
-        s = self._centroids @ v
+        s = (self._centroids @ v).astype(np.float64)
         return 1.0 + (self.band_prior / (norm * self._tau)) * (s.max() - s)
 
     # -- the live set ---------------------------------------------------------------------------------

@@ -30,11 +30,14 @@ class RoutingModel:
     def __init__(self, transform: str, weights: np.ndarray, mask: np.ndarray, centroids: np.ndarray,
                  tau: float = 0.1, domain_share: dict[str, float] | None = None,
                  live: tuple[np.ndarray, np.ndarray] | None = None,
-                 live_shrinkage: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 1):
+                 live_shrinkage: tuple[np.ndarray, np.ndarray] | None = None, top_k: int = 1,
+                 band_prior: float = 0.0):
         """``live``: (prototypes [M, N* x E], decode activation [M + 1, L, E]) of the eldr-live policy
         (:class:`eldr_cli.method.live.DecodeActivation`); None for artifacts fitted before it.
         ``live_shrinkage``: its per-layer (kappa [L], weight [L]) toward the request's own prefill distribution
-        (None: the prototype's mean alone, as in artifacts fitted before issue 35); ``top_k``: the model's."""
+        (None: the prototype's mean alone, as in artifacts fitted before issue 35); ``top_k``: the model's;
+        ``band_prior``: the weight of eldr-live's band prior (``routing.live.band_prior_weight``; 0: none, as in
+        artifacts fitted before it)."""
         from eldr_cli.method.signature import SERVABLE_TRANSFORMS
 
         if transform not in SERVABLE_TRANSFORMS:
@@ -51,6 +54,7 @@ class RoutingModel:
         self.live_shrinkage = None if live_shrinkage is None else (np.asarray(live_shrinkage[0], dtype=np.float64),
                                                                    np.asarray(live_shrinkage[1], dtype=np.float64))
         self.top_k = int(top_k)
+        self.band_prior = float(band_prior)
         self._kept_weights = self.weights[self.mask]  # [N*, E]: what signatures() indexes on every call
 
     @property
@@ -71,7 +75,7 @@ class RoutingModel:
             if live is not None and p.get("live_predictor") not in (None, "prototype") else None
         return cls(p["transform"], art.array("weights"), art.array("mask"), art.array("centroids"),
                    tau=p["tau"], domain_share=p.get("domain_share"), live=live, live_shrinkage=shrink,
-                   top_k=int(p.get("top_k") or 1))
+                   top_k=int(p.get("top_k") or 1), band_prior=float(p.get("band_prior") or 0.0))
 
     def signature(self, counts: np.ndarray, unit: bool = True) -> np.ndarray:
         """Eq. 2 on one request's counts [L, E] -> unit signature [N* x E] (zeros if empty): the fit's own
