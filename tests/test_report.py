@@ -64,6 +64,9 @@ def test_report_json_has_the_keys_tools_read(report):
     d = v["clairvoyant_minus_eldr_live_capacity_pp"]
     assert set(d) == {"mean", "ci95"} and d["ci95"][0] <= d["mean"] <= d["ci95"][1]
     assert "clairvoyant twin" in v["text"] and "step-cluster oracle" in v["text"]
+    # the band prior the fit decided, from the calibration figure that decided it (routing.live.band_prior_weight)
+    f = doc["fit"]
+    assert f["band_prior"] in (0.0, 0.5) and (f["band_prior"] == 0.5) == (f["centroid_cosine"] >= 0.95)
     assert {r["policy"] for r in doc["replay"]["results"]} >= {"clairvoyant", "oracle", "eldr-live"}
     assert all(row.get("clairvoyant_active", 0) > 0 for row in doc["replay"]["oracle_share"])
     assert len(v["by_load"]) == 5 * len(routers)  # 10, 25, 50, 75 and 100% of the best balancer's capacity

@@ -187,6 +187,11 @@ def _fit_text(doc: dict) -> str:
                      + (f" (rho {float(f['rho_peak']):.3f})" if f.get("rho_peak") is not None else ""))
     if sizes:
         parts.append(f"cluster sizes {min(sizes)}-{max(sizes)} over {len(sizes)} clusters")
+    if f.get("band_prior") is not None and f.get("centroid_cosine") is not None:
+        parts.append(f"eldr-live band prior {float(f['band_prior']):g} under load (calibration requests' mean "
+                     f"cosine to their centroid {float(f['centroid_cosine']):.3f})")
+    elif "band_prior" in f:
+        parts.append("eldr-live band prior: none (fitted before it; `eldr fit` decides it)")
     return "; ".join(parts) + "." if parts else ""
 
 

@@ -305,9 +305,17 @@ def _domains(tr) -> dict:
 
 def _fit_facts(fit: Path) -> dict:
     from eldr_cli.artifacts.store import Artifact
+    from eldr_cli.routing.model import load_routing_artifact
 
     try:
         m = Artifact(fit).metrics
     except Exception:  # noqa: BLE001 - a routing artifact (not a fit) carries fewer facts
         return {}
-    return {k: m.get(k) for k in ("transform", "rho_by_transform", "n_layers_kept", "rho_peak", "cluster_sizes")}
+    facts = {k: m.get(k) for k in ("transform", "rho_by_transform", "n_layers_kept", "rho_peak", "cluster_sizes")}
+    try:  # eldr-live's band prior, as the fit decided it (routing.live.band_prior_weight)
+        p = load_routing_artifact(fit).params
+    except Exception:  # noqa: BLE001 - the facts above stand without it
+        return facts
+    facts["band_prior"] = None if p.get("band_prior") is None else float(p["band_prior"])
+    facts["centroid_cosine"] = ((p.get("drift") or {}).get("centroid") or {}).get("mean")
+    return facts
