@@ -26,11 +26,11 @@ COUNTS = np.array([[3, 1, 0, 0]], dtype=np.int64)
 PRIOR = np.array([1.0, 1.0 + 0.5 * (3 - 1) / math.sqrt(10) / 0.1])
 
 
-def _model(tau: float = 0.1) -> RoutingModel:
+def _model(tau: float = 0.1, band_prior: float = BAND_PRIOR) -> RoutingModel:
     protos = np.array([[1.0, 0, 0, 0], [0, 0, 1.0, 0]])
     act = np.array([[[0.5, 0.5, 0, 0]], [[0, 0, 0.5, 0.5]], [[0.25, 0.25, 0.25, 0.25]]], dtype=np.float32)
     return RoutingModel("count", np.ones((1, 4)), np.arange(1), np.eye(2, 4), tau=tau, live=(protos, act),
-                        band_prior=BAND_PRIOR)
+                        band_prior=band_prior)
 
 
 def _loaded(pol: EldrLivePolicy, n: int = 5) -> EldrLivePolicy:
@@ -43,22 +43,26 @@ def _loaded(pol: EldrLivePolicy, n: int = 5) -> EldrLivePolicy:
     return pol
 
 
-def _policy() -> EldrLivePolicy:
-    pol = make_router("eldr-live", 2, model=_model(), cost=COST).policy
-    assert isinstance(pol, EldrLivePolicy) and pol.band_prior == BAND_PRIOR == 0.5  # the model's
+def _policy(band_prior: float = BAND_PRIOR) -> EldrLivePolicy:
+    pol = make_router("eldr-live", 2, model=_model(band_prior=band_prior), cost=COST).policy
+    assert isinstance(pol, EldrLivePolicy)
     return pol
 
 
 def test_under_load_the_prior_keeps_a_request_on_its_band_and_without_it_the_cost_decides():
+    assert BAND_PRIOR == 0.5
     pol = _loaded(_policy())
     entry = pol.request(COUNTS)
+    np.testing.assert_allclose(entry.prior, PRIOR, rtol=1e-9)  # computed once, with the request's cells
     r = pol.rank([5, 5], entry, tokens=0)
     np.testing.assert_allclose(r.prior, PRIOR, rtol=1e-9)
     # predicted: decoder 1 is cheaper (it runs the request's experts) but 4.16 x its cost is not
     assert r.predicted_ms[1] < r.predicted_ms[0] < r.predicted_ms[1] * PRIOR[1]
     assert r.first == 0
-    pol.band_prior = 0.0  # the prior off: the least predicted cost wins, and the ranking carries no prior
-    r0 = pol.rank([5, 5], entry, tokens=0)
+    off = _loaded(_policy(band_prior=0.0))  # a fit that set no prior: the least predicted cost wins
+    e0 = off.request(COUNTS)
+    assert e0.prior is None
+    r0 = off.rank([5, 5], e0, tokens=0)
     assert r0.first == 1 and r0.prior is None
     np.testing.assert_allclose(r0.predicted_ms, r.predicted_ms)  # the prior moves the choice, not the prediction
 
@@ -97,7 +101,7 @@ def test_the_reservation_redoes_the_rule_with_the_prior():
 def test_the_clairvoyant_twin_has_no_prior_given_the_truth_there_is_nothing_to_hedge():
     truth = {0: np.array([0.5, 0.5, 0, 0], dtype=np.float32)}
     twin = make_router("clairvoyant", 2, model=_model(), cost=COST, oracle=SimpleNamespace(future=truth))
-    assert isinstance(twin.policy, ClairvoyantPolicy) and twin.policy.band_prior == 0.0
+    assert isinstance(twin.policy, ClairvoyantPolicy)
     _loaded(twin.policy)
     d = twin.decide(COUNTS, [5, 5], key=0, tokens=0)
     assert d.ranking.prior is None and d.worker == 1  # its experts run on decoder 1

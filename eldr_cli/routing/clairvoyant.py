@@ -50,9 +50,8 @@ class ClairvoyantPolicy(EldrLivePolicy):
             raise EldrError("the clairvoyant router needs a routing artifact (--routing DIR)")
         pred = PrefillPredictor(model)  # a row the trace has no decode for: the mean request, as eldr-live
         super().__init__(n_workers, model=model, cost=cost, source=FutureSource(future, pred.mean(), pred.table), **kw)
-        # eldr-live's band prior hedges its prediction with the band; given the truth there is nothing to hedge
-        # (with the prior the twin carried less: +22.6% against +28.9% on the demo's trace, docs/routing.md)
-        self.band_prior = 0.0
+        # its entries (the truth) carry no band prior: eldr-live's prior hedges its prediction with the band, and
+        # given the truth there is nothing to hedge (with it the twin carried +22.6%, not +28.9%, on the demo's trace)
 
     def export_state(self, worker: int) -> list[int]:
         raise EldrError("the clairvoyant router needs the future and cannot be served by replicas")

@@ -225,6 +225,35 @@ def drift_dots(cells, centroids, proto, out):  # pragma: no cover - compiled
         out[K + 1] = acc
 
 
+@_compiled(fastmath={"reassoc", "contract"})  # a prior, not a bit-exact figure: vectorized float32 sums
+def band_prior_of(cells, centroids, scale, out):  # pragma: no cover - compiled
+    """eldr-live's band prior of one request's Eq. 2 cells [d] (float64) into ``out`` [K] (float64):
+    ``1 + scale * (max_j s_j - s_k)``, ``s_k`` the cells' cosine to ``centroids[k]`` (unit rows [K, d], float32: the
+    products in float32, twice as many per vector; a prior, not a decision's arithmetic) and ``scale`` the prior's
+    weight over tau (``routing.live``). False, ``out`` untouched, for zero cells or cells of another length."""
+    K, d = centroids.shape
+    if cells.shape[0] != d:
+        return False
+    v = np.empty(d, dtype=np.float32)
+    sq = 0.0
+    for j in range(d):
+        v[j] = np.float32(cells[j])
+        sq += cells[j] * cells[j]
+    if sq == 0.0:
+        return False
+    best = -np.inf
+    for k in range(K):
+        acc = np.float32(0.0)
+        for j in range(d):
+            acc += v[j] * centroids[k, j]
+        out[k] = acc
+        best = max(best, out[k])
+    inv = scale / np.sqrt(sq)
+    for k in range(K):
+        out[k] = 1.0 + inv * (best - out[k])
+    return True
+
+
 _step = _compiled(step_ms_from_terms)  # the one step formula, compiled (as the simulator's step_time)
 
 
@@ -270,6 +299,7 @@ def warm(widths=(np.int64,), read_only: bool = False) -> None:
                        np.zeros((1, 1, 2), dtype=np.float32), f, f, np.float32(1.0), np.float32(0.5), True)
     z = np.zeros(1)
     live_choice(np.zeros(8), np.zeros(1, dtype=np.int64), z, z, np.zeros(1, dtype=np.float32), 0)
+    band_prior_of(np.ones(2), np.ones((1, 2), dtype=np.float32), 1.0, np.empty(1))
 
 
 def warm_drift() -> None:

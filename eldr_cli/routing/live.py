@@ -126,12 +126,8 @@ class EldrLivePolicy(Policy):
         self.live = live_set(n_workers, model, cost, source)  # the public live-set API (routing.live_set)
         self.terms = self.live.terms
         self._terms = np.asarray(self.terms, dtype=np.float64)  # what the compiled cost loop reads
-        # the band prior needs a centroid per decoder (a fit for another K has none to offer: no prior)
-        self.band_prior = 0.0 if model is None else model.band_prior  # the fit's (band_prior_weight)
-        # (float32: BLAS's single-precision product is 2-3x faster than double's at K=16, d=2,560)
-        self._centroids = model.centroids.astype(np.float32) if model is not None and model.n_clusters == n_workers \
-            else None
-        self._tau = max(float(model.tau), 1e-9) if model is not None else 1.0
+        # the band prior (each request's entry carries it) needs a centroid per decoder: a fit for another K has none
+        self.band_prior = model is not None and model.n_clusters == n_workers
 
     def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
         """The request's live entry from its prefill counts (what the router passes to :meth:`rank`)."""
@@ -164,25 +160,14 @@ class EldrLivePolicy(Policy):
         tie = COST_TIE if sum(ld) < LOW_LOAD_MEAN * len(ld) else 1e-9
         # the one rule (policies.rerank), tie order: the decoder sent a request longest ago first (then index)
         order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
-        prior = self._prior(getattr(detail, "cells", None), tie)
+        # under load only (near idle requests spread as before): the request's band prior (LiveEntry.prior)
+        entry = getattr(detail, "entry", None)
+        prior = entry.prior if self.band_prior and tie <= 1e-9 and entry is not None else None
         if prior is not None:
             cost = (predicted * prior).tolist()
         w = rerank(cost, ld, slack, tie, order)
         return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=predicted, detail=detail,
                        growth_ms=growth, tie=tie, prior=prior)
-
-    def _prior(self, cells: np.ndarray | None, tie: float) -> np.ndarray | None:
-        """The band prior [K] on the request's Eq. 2 cells: under load only (near idle, ``tie`` > 0, requests spread
-        as before), a decoder costs more the further its centroid is from the request than the nearest centroid,
-        in units of the band's width tau; None without cells, centroids or a prior."""
-        if tie > 1e-9 or cells is None or self._centroids is None or not self.band_prior:
-            return None
-        v = cells.reshape(-1).astype(np.float32)
-        norm = math.sqrt(float(v @ v))
-        if norm == 0.0:
-            return None
-        s = (self._centroids @ v).astype(np.float64)
-        return 1.0 + (self.band_prior / (norm * self._tau)) * (s.max() - s)
 
     # -- the live set ---------------------------------------------------------------------------------
     def on_dispatch(self, worker: int, key: Any, detail: Any = None) -> None:

@@ -33,12 +33,14 @@ A_MAX = 1.0 - 1e-6  # a true activation of 1 (every step): log(1 - a) stays fini
 class LiveEntry(NamedTuple):
     """One request as a live set holds it: a_r [L*E] and log(1 - a_r) (float32), and its prototype; ``cells``:
     the Eq. 2 cells [N* x E] (float64, not normalized) its prediction started from, when it was predicted from
-    its prefill counts (the proxy's drift watch scores them instead of computing them again)."""
+    its prefill counts (the proxy's drift watch scores them instead of computing them again); ``prior``: its band
+    prior [K] (float64, ``routing.live``), where the fit set one and the request has cells."""
 
     activation: np.ndarray
     log_idle: np.ndarray
     prototype: int
     cells: np.ndarray | None = None
+    prior: np.ndarray | None = None
 
 
 def entry_of(a: np.ndarray, prototype: int) -> LiveEntry:
@@ -89,6 +91,9 @@ class PrefillPredictor:
         self._inv_k = np.float32(1.0 / max(model.top_k, 1))
         self._a_max = np.float32(MAX_ACTIVATION)
         self._eq2 = model.eq2_args  # Eq. 2's arguments to the compiled loops
+        # the band prior, computed with the request's cells (once per request, not in each decision)
+        self._band = np.ascontiguousarray(model.centroids, dtype=np.float32) if model.band_prior > 0 else None
+        self._band_scale = model.band_prior / max(model.tau, 1e-9)
         from eldr_cli.routing.compiled import warm
 
         warm()  # the request path's compiled loops are ready before the first request
@@ -105,7 +110,18 @@ class PrefillPredictor:
         return int((self.protos @ v32).argmax())
 
     def entry(self, counts: Any, key: Any = None) -> LiveEntry | None:
-        """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape)."""
+        """The request's entry from its prefill counts [L, E] (raises EldrError on counts of another shape), with
+        its band prior where the fit set one."""
+        e = self._entry(counts)
+        if e is None or e.cells is None or self._band is None:
+            return e
+        from eldr_cli.routing.compiled import band_prior_of
+
+        prior = np.empty(self._band.shape[0])
+        return e._replace(prior=prior) if band_prior_of(e.cells.reshape(-1), self._band, self._band_scale, prior) \
+            else e
+
+    def _entry(self, counts: Any) -> LiveEntry | None:
         if counts is None:
             return None
         c = counts if type(counts) is np.ndarray else np.asarray(counts)
