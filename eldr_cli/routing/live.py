@@ -20,7 +20,9 @@ and picks the decoder with the least cost among those within a load cap of the l
 
 (the paper's band, §4.3.2, made soft: a decoder far from the request's cluster must be that much cheaper; it
 keeps each decoder's batch drawn from a stable share of the traffic, which the one-request-ahead cost does not
-see; none without the fit's centroids for these K decoders or the request's prefill counts). Ties go to
+see). Only where the fit found the band tight (:func:`band_prior_weight`, the artifact's ``band_prior``); none
+without the fit's centroids for these K decoders or the request's prefill counts. Each request's prior is
+computed once, with its prediction (``LiveEntry.prior``). Ties go to
 fewer in flight, then to the decoder sent a request longest ago (as round-robin would); while decoders run
 fewer than ``LOW_LOAD_MEAN`` requests on average, costs within ``COST_TIE`` count as ties, because in-flight
 counts then say little about the work left and there is little to share (measured: without it eldr-live
