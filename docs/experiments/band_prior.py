@@ -4,7 +4,8 @@ An experiment's read-out, not part of eldr. Each argument is ``LABEL=FIT,OFF,ON`
 reports used (its calibration figure decides the prior, ``routing.live.band_prior_weight``) and two ``eldr
 report`` directories on the same trace, cost model, SLO and seeds, with eldr-live's band prior 0 (OFF) and 0.5
 (ON; a copy of the fit with ``params.band_prior`` set). Only eldr-live differs between them (the other routers'
-capacities are the same to the digit, which it checks). Prints a markdown table: the fit's mean cosine of its
+capacities are the same to the digit, which it checks; eldr and the clairvoyant are read from whichever report
+ran them). Prints a markdown table: the fit's mean cosine of its
 calibration requests to their centroid, the weight the fit chose, eldr, eldr-live with the prior off and on
 (capacity against the best load balancer), paired on = off (per seed), and the clairvoyant twin::
 
@@ -44,8 +45,10 @@ def row(label: str, fit: str, off_dir: str, on_dir: str) -> str:
     paired = "-" if ci is None else f"{ci.mean:+.1f}% [{ci.lo:+.1f}, {ci.hi:+.1f}]"
     w = band_prior_weight(p.get("drift"), p["tau"])
     cos = p["drift"]["centroid"]["mean"]
-    return (f"| {label} | {cos:.3f} | {w:g} | {_gain(off, 'eldr')} | {_gain(off, 'eldr-live')} | "
-            f"{_gain(on, 'eldr-live')} | {paired} | {_gain(off, 'clairvoyant')} |")
+    eldr, twin = (_gain(off if r in off["capacity"] else on, r) for r in ("eldr", "clairvoyant"))
+    cols = [_gain(off, "eldr-live"), _gain(on, "eldr-live")]
+    cols[w > 0] = f"**{cols[w > 0]}**"  # what eldr fit chose
+    return f"| {label} | {cos:.3f} | {w:g} | {eldr} | {cols[0]} | {cols[1]} | {paired} | {twin} |"
 
 
 def main(argv: list[str]) -> int:
