@@ -59,10 +59,14 @@ def bench_router(name: str, model, reqs, n: int) -> dict:
 def main(argv=None) -> int:
     ap = parser(__doc__, "bench-results/routing.json")
     ap.add_argument("-n", type=int, default=20000, help="timed decisions per router (default: %(default)s)")
+    ap.add_argument("--band-prior", type=float, default=None,
+                    help="eldr-live's band prior weight (default: the fixture's, routing.live.BAND_PRIOR)")
     a = ap.parse_args(argv)
     env = environment()
     rng = np.random.default_rng(0)
     model = build(rng)
+    if a.band_prior is not None:
+        model.band_prior = a.band_prior
     reqs = [np.stack([rng.multinomial(2400, rng.dirichlet(np.full(E, 0.3))) for _ in range(L)]) for _ in range(64)]
     load0 = os.getloadavg()[0]
     rows = [bench_router(name, model, reqs, a.n) for name in ROUTERS]
