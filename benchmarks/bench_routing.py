@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     print(f"eldr-live decision CPU p99 {live['decision_cpu']['p99_us']:.0f} us (target <= 100 us); paper's "
           f"decision {PAPER_DECISION_MS * 1e3:.0f} us")
     write_result(a.out, {"shape": {"K": K, "L": L, "E": E, "d": KEPT * E, "prototypes": M,
-                                   "inflight_per_decoder": INFLIGHT},
+                                   "inflight_per_decoder": INFLIGHT, "band_prior": model.band_prior},
                          "load_average": [load0, load1], "rows": rows, "paper_decision_ms": PAPER_DECISION_MS}, env)
     return 0
 
