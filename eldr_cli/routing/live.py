@@ -129,7 +129,7 @@ class EldrLivePolicy(Policy):
         self.terms = self.live.terms
         self._terms = np.asarray(self.terms, dtype=np.float64)  # what the compiled cost loop reads
         # the band prior (each request's entry carries it) needs a centroid per decoder: a fit for another K has none
-        self.band_prior = model is not None and model.n_clusters == n_workers
+        self._band_ok = model is not None and model.n_clusters == n_workers
 
     def request(self, counts: Any, key: Any = None) -> LiveEntry | None:
         """The request's live entry from its prefill counts (what the router passes to :meth:`rank`)."""
@@ -164,7 +164,7 @@ class EldrLivePolicy(Policy):
         order = sorted(range(len(ld)), key=self.live.last_add.__getitem__)
         # under load only (near idle requests spread as before): the request's band prior (LiveEntry.prior)
         entry = getattr(detail, "entry", None)
-        prior = entry.prior if self.band_prior and tie <= 1e-9 and entry is not None else None
+        prior = entry.prior if self._band_ok and tie <= 1e-9 and entry is not None else None
         if prior is not None:
             cost = (predicted * prior).tolist()
         w = rerank(cost, ld, slack, tie, order)
