@@ -165,12 +165,12 @@ def _print_routing(path: Path) -> None:
 def _print_band_prior(p: dict) -> None:
     """Whether eldr-live ranks by the band under load, and the calibration figure that decided it."""
     from eldr_cli.console import console
-    from eldr_cli.routing.live import BAND_TRUST
+    from eldr_cli.routing.live import BAND_TRUST, band_bar
 
     mean = ((p.get("drift") or {}).get("centroid") or {}).get("mean")
     if p.get("live_predictor") is None or mean is None:
         return
-    bar = 1.0 - BAND_TRUST * float(p["tau"])
+    bar = band_bar(p["tau"])
     w = float(p.get("band_prior") or 0.0)
     console.print(f"eldr-live band prior {w:g} under load: calibration requests' mean cosine to their centroid "
                   f"{mean:.3f} {'>=' if w else '<'} {bar:.3f} (1 - {BAND_TRUST:g} tau)")

@@ -104,7 +104,12 @@ def band_prior_weight(drift: dict | None, tau: float) -> float:
     :func:`eldr_cli.routing.drift.calibration_stats`): :data:`BAND_PRIOR` where the calibration requests' mean
     cosine to their nearest centroid is at least ``1 - BAND_TRUST * tau``, else 0 (no prior)."""
     mean = ((drift or {}).get("centroid") or {}).get("mean")
-    return BAND_PRIOR if mean is not None and float(mean) >= 1.0 - BAND_TRUST * float(tau) else 0.0
+    return BAND_PRIOR if mean is not None and float(mean) >= band_bar(tau) else 0.0
+
+
+def band_bar(tau: float) -> float:
+    """The calibration requests' mean cosine to their centroid at which the fit trusts the band (1 - BAND_TRUST tau)."""
+    return 1.0 - BAND_TRUST * float(tau)
 
 
 def live_set(n_workers: int, model: RoutingModel | None, cost=None,
@@ -155,7 +160,6 @@ class EldrLivePolicy(Policy):
         # request there that these loads left out makes the new one's step kt longer and adds one more request it
         # slows down by (T1 - T) (the replicas' reservation redoes this rule on Redis's exact counts)
         predicted, growth = live_choice(self._terms, np.asarray(ld, dtype=np.int64), active, C, q @ a_new, c_new)
-        cost = predicted.tolist()
         slack = max(LOAD_CAP_MIN, math.ceil(LOAD_CAP_FRACTION * sum(ld) / len(ld)))
         # near idle, in-flight counts say little about the work left and there is little to share: costs within
         # COST_TIE are ties, which rotate like round-robin; under load the least predicted cost wins outright
@@ -165,8 +169,7 @@ class EldrLivePolicy(Policy):
         # under load only (near idle requests spread as before): the request's band prior (LiveEntry.prior)
         entry = getattr(detail, "entry", None)
         prior = entry.prior if self._band_ok and tie <= 1e-9 and entry is not None else None
-        if prior is not None:
-            cost = (predicted * prior).tolist()
+        cost = (predicted if prior is None else predicted * prior).tolist()
         w = rerank(cost, ld, slack, tie, order)
         return Ranking(w, slack=slack, candidates=tuple(order), predicted_ms=predicted, detail=detail,
                        growth_ms=growth, tie=tie, prior=prior)

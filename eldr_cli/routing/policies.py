@@ -127,9 +127,8 @@ class Ranking:
         if self.candidates is not None:
             return list(self.candidates)
         n = len(loads)
-        cost = self.predicted_ms.tolist() if self.predicted_ms is not None else list(range(n))
-        if self.prior is not None and self.predicted_ms is not None:
-            cost = (self.predicted_ms * self.prior).tolist()
+        p = self.predicted_ms
+        cost = list(range(n)) if p is None else (p if self.prior is None else p * self.prior).tolist()
         cap = min(loads) + (self.slack or 0)
         return [worker, *sorted((k for k in range(n) if k != worker), key=lambda k: (loads[k] > cap, cost[k]))]
 
